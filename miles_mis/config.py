@@ -1,0 +1,173 @@
+"""`MisConfig`: the one validated configuration object of miles_mis.
+
+It is built once at the boundary, from a YAML file (`MisConfig.from_yaml`), a mapping
+(`MisConfig.from_dict`) or a host's argparse Namespace (`MisConfig.from_args`), and everything
+below the adapter layer reads only this frozen dataclass.
+
+Key names and meanings follow miles' ``mis.yaml``. Every error is a ``ValueError`` that names
+the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = ("truncate", "clip", "mask", "icepop")
+
+# Attributes a miles/slime host owns that start with the prefixes we police on a Namespace;
+# they belong to the host's built-in vanilla TIS, not to us.
+HOST_OWNED_ATTRIBUTES = frozenset({"tis_clip", "tis_clip_low"})
+
+
+@dataclass(frozen=True)
+class MisConfig:
+    """Effective correction settings (defaults already resolved).
+
+    use_tis: apply the correction (weights and rejections); False = metrics-only mode.
+    use_rs: reject tokens/sequences whose ratio at ``rs_level`` leaves [rs_lower_bound, rs_upper_bound].
+    tis_level / rs_level: "token" | "sequence" | "geometric".
+    tis_mode: "truncate" | "clip" | "mask" | "icepop".
+    tis_lower_bound: defaults to 1 / tis_upper_bound.
+    rs_lower_bound / rs_upper_bound: default to the (resolved) tis bounds.
+    rs_veto_threshold: None = off; otherwise a sequence with any valid token whose ratio is
+        below it is rejected whole.
+    tis_batch_normalize: rescale the final weights to mean 1 over what is trained.
+    """
+
+    use_tis: bool = False
+    use_rs: bool = False
+    tis_level: str = "token"
+    rs_level: str = "token"
+    tis_mode: str = "truncate"
+    tis_lower_bound: float | None = None
+    tis_upper_bound: float = 2.0
+    rs_lower_bound: float | None = None
+    rs_upper_bound: float | None = None
+    rs_veto_threshold: float | None = None
+    tis_batch_normalize: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        for name in ("use_tis", "use_rs", "tis_batch_normalize"):
+            set_(name, _as_bool(name, getattr(self, name)))
+        set_("tis_level", _as_choice("tis_level", self.tis_level, LEVELS))
+        set_("rs_level", _as_choice("rs_level", self.rs_level, LEVELS))
+        set_("tis_mode", _as_choice("tis_mode", self.tis_mode, TIS_MODES))
+
+        upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
+        lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
+        _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
+        rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=upper)
+        rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
+        _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper)
+        veto = _as_positive("rs_veto_threshold", self.rs_veto_threshold, default=None)
+        if veto is not None and veto >= 1.0:
+            raise ValueError(
+                f"rs_veto_threshold={veto!r} is invalid: it is a probability ratio below which a token is "
+                "catastrophic; allowed values are null (off) or a number in (0, 1), typically 1e-4 to 1e-6"
+            )
+        set_("tis_upper_bound", upper)
+        set_("tis_lower_bound", lower)
+        set_("rs_upper_bound", rs_upper)
+        set_("rs_lower_bound", rs_lower)
+        set_("rs_veto_threshold", veto)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "MisConfig":
+        """Build from a mapping; an unknown key is an error with a did-you-mean suggestion."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
+        for key in values:
+            if key not in cls.keys():
+                raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), cls.keys())}; "
+                                 f"allowed keys: {', '.join(cls.keys())}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "MisConfig":
+        """Build from a YAML file (the file miles passes with ``--custom-config-path``)."""
+        import yaml
+
+        text = Path(path).read_text()
+        values = yaml.safe_load(text)
+        if values is None:
+            values = {}
+        return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MisConfig":
+        """Build from a host's argparse Namespace (YAML keys already set on it as attributes).
+
+        Missing attributes take the defaults. An attribute starting with ``tis_`` or ``rs_`` that
+        is not one of our keys (nor a host-owned flag such as ``tis_clip``) is an error: it is
+        almost always a typo in the YAML file that would otherwise be silently ignored.
+        """
+        if isinstance(args, MisConfig):
+            return args
+        attributes = vars(args) if hasattr(args, "__dict__") else {}
+        for name in attributes:
+            if (name.startswith(("tis_", "rs_")) and name not in cls.keys()
+                    and name not in HOST_OWNED_ATTRIBUTES):
+                raise ValueError(f"args: unknown attribute {name!r}{_did_you_mean(name, cls.keys())}; "
+                                 f"allowed tis_*/rs_* keys: "
+                                 f"{', '.join(k for k in cls.keys() if k.startswith(('tis_', 'rs_')))}")
+        values = {key: attributes[key] for key in cls.keys() if key in attributes}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------- validation helpers
+def _did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{key}={value!r} is invalid: allowed values are true or false")
+
+
+def _as_choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value in allowed:
+        return value
+    hint = _did_you_mean(str(value), allowed) if isinstance(value, str) else ""
+    raise ValueError(f"{key}={value!r} is invalid{hint}: allowed values are {', '.join(allowed)}")
+
+
+def _as_positive(key: str, value: Any, *, default: float | None = None, required: bool = False) -> float | None:
+    """A finite positive float; YAML 1.1 reads ``1e-4`` as the string "1e-4", so numeric strings are accepted."""
+    if value is None:
+        if required:
+            raise ValueError(f"{key} is required (got null): allowed values are positive numbers")
+        return default
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{key}={value!r} is invalid: allowed values are finite positive numbers")
+    return number
+
+
+def _check_order(lower_key: str, lower: float, upper_key: str, upper: float) -> None:
+    if not lower < upper:
+        raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}: "
+                         "allowed values are 0 < lower < upper")

@@ -1,0 +1,25 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="miles-mis",
+    version="0.1.0",
+    description="Measure and correct the training-inference mismatch in LLM RL (TIS/MIS/IcePop/RS/veto) "
+                "as a miles/slime plugin",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["miles_mis", "miles_mis.*"]),
+    include_package_data=True,
+    package_data={"miles_mis": ["presets/*.yaml"]},
+    install_requires=["torch", "pyyaml"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "megatron-core"],
+        "megatron": ["megatron-core"],
+        "wandb": ["wandb"],
+        "analyze": ["matplotlib"],
+        "gpu": ["megatron-core", "transformer-engine", "sglang"],
+    },
+    entry_points={"console_scripts": ["miles-mis=miles_mis.cli:main"]},
+)
