@@ -11,8 +11,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["miles_mis", "miles_mis.*"]),
-    include_package_data=True,
-    package_data={"miles_mis": ["presets/*.yaml"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
         "test": ["pytest", "hypothesis", "megatron-core"],

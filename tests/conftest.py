@@ -1,0 +1,42 @@
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_batch(seed: int, num_seqs: int = 12, max_len: int = 40, noise: float = 0.3,
+                 zero_length: bool = True, holes: bool = True, nonfinite: bool = False):
+    """Random per-sequence log-probs (float32) with ragged lengths, masks with zeros inside,
+    a zero-length, a 1-token and an all-masked sequence, optionally non-finite log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    train, rollout, masks = [], [], []
+    for i in range(num_seqs):
+        n = rng.randint(0 if zero_length else 1, max_len)
+        if i == 1:
+            n = 1
+        t = -torch.rand(n, generator=gen) * 3.0
+        r = t + noise * torch.randn(n, generator=gen)
+        m = torch.ones(n)
+        if holes and n > 2:
+            m[torch.rand(n, generator=gen) < 0.2] = 0.0
+        if i == 2:
+            m.zero_()
+        if nonfinite and i == 3 and n > 0:
+            t[0] = float("nan")  # a valid token (SGLang's null log-prob): the sequence must be rejected
+        if nonfinite and i == 4 and n > 2:
+            r[-1], m[-1] = float("inf"), 0.0  # a masked token: must be ignored
+        train.append(t)
+        rollout.append(r)
+        masks.append(m)
+    return train, rollout, masks
+
+
+@pytest.fixture
+def repo_root():
+    return REPO

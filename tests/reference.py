@@ -1,0 +1,165 @@
+"""A slow, readable per-sequence reference implementation, written straight from docs/math.md.
+
+It loops over sequences and tokens in float64 and shares no code with miles_mis.core, so the
+fast path can be checked against it. Returns the same things as ``compute_mis_weights``:
+(weights per sequence or None, kept masks per sequence, metrics name -> per-sequence lists).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CLAMP = 20.0
+
+
+def _exp(x: float) -> float:
+    return math.exp(min(max(x, -CLAMP), CLAMP))
+
+
+def _bound(rho: float, mode: str, lower: float, upper: float) -> tuple[float, bool]:
+    """(weight, rejected) for one ratio."""
+    if mode == "truncate":
+        return min(rho, upper), False
+    if mode == "clip":
+        return min(max(rho, lower), upper), False
+    inside = lower <= rho <= upper
+    if mode == "mask":
+        return rho, not inside
+    if mode == "icepop":
+        return (rho if inside else 0.0), False
+    raise AssertionError(mode)
+
+
+def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -> dict[str, float]:
+    if mode == "truncate":
+        return {f"{prefix}truncate_fraction": float(rho > upper)}
+    return {f"{prefix}{mode}_fraction_low": float(rho < lower), f"{prefix}{mode}_fraction_high": float(rho > upper)}
+
+
+def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
+    sequences = []
+    for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
+        train = [float(x) for x in train_t.double()]
+        rollout = [float(x) for x in rollout_t.double()]
+        valid = [float(m) != 0.0 for m in mask_t]
+        tokens = []
+        for a, b, v in zip(train, rollout, valid):
+            finite = math.isfinite(a) and math.isfinite(b)
+            usable = v and finite
+            ell = (a - b) if usable else 0.0
+            tokens.append(dict(valid=v, usable=usable, nonfinite=v and not finite, ell=ell, rho=_exp(ell),
+                               train=a if usable else 0.0, rollout=b if usable else 0.0))
+        sequences.append(tokens)
+
+    metrics = {}
+
+    def put(name, seq, values):
+        metrics.setdefault(f"mis_{name}", [None] * len(sequences))[seq] = values
+
+    # ---- mismatch metrics (per sequence over usable tokens, broadcast)
+    for i, toks in enumerate(sequences):
+        n = len(toks)
+        usable = [t for t in toks if t["usable"]]
+        count = max(len(usable), 1)
+        mean_train = sum(t["train"] for t in usable) / count
+        mean_rollout = sum(t["rollout"] for t in usable) / count
+        diff = mean_rollout - mean_train
+        sum_ell = sum(t["ell"] for t in usable)
+        per_seq = {
+            "training_log_ppl": -mean_train, "training_ppl": _exp(-mean_train),
+            "rollout_log_ppl": -mean_rollout, "rollout_ppl": _exp(-mean_rollout),
+            "kl": diff, "log_ppl_diff": diff, "log_ppl_abs_diff": abs(diff), "ppl_ratio": _exp(diff),
+            "k3_kl": sum(_exp(t["ell"]) - t["ell"] - 1 for t in usable) / count,
+            "chi2_token": (sum(_exp(t["ell"]) ** 2 for t in usable) / count - 1.0) if usable else 0.0,
+            "chi2_seq": _exp(2 * sum_ell) if abs(sum_ell) <= CLAMP else math.exp(2 * math.copysign(CLAMP, sum_ell)),
+        }
+        per_seq["chi2_seq"] -= 1.0
+        for name, value in per_seq.items():
+            put(name, i, [value] * n)
+        put("nonfinite_token_fraction", i, [float(t["nonfinite"]) for t in toks])
+
+    if not cfg.use_tis:
+        masks = [[float(t["valid"]) for t in toks] for toks in sequences]
+        return None, masks, metrics
+
+    # ---- weights, rejections
+    weights, keeps, seq_weights, seq_trained = [], [], [], []
+    for i, toks in enumerate(sequences):
+        usable = [t for t in toks if t["usable"]]
+        sum_ell = sum(t["ell"] for t in usable)
+
+        def level_ratio(level, tok):
+            if level == "token":
+                return tok["rho"]
+            if level == "sequence":
+                return _exp(sum_ell)
+            return _exp(sum_ell / max(len(usable), 1))
+
+        seq_rejected = any(t["nonfinite"] for t in toks)
+        if cfg.rs_veto_threshold is not None:
+            vetoed = any(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold) for t in toks)
+            seq_rejected = seq_rejected or vetoed
+            put("rs_catastrophic_token_fraction", i,
+                [float(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold)) for t in toks])
+            put("rs_catastrophic_seq_fraction", i, [float(vetoed)] * len(toks))
+
+        w_list, keep_list, before, after = [], [], [], []
+        fracs = {k: [] for k in _fractions("tis_", cfg.tis_mode, 1.0, 0.0, 2.0)}
+        if cfg.use_rs:
+            fracs.update({k: [] for k in _fractions("rs_", "mask", 1.0, 0.0, 2.0)})
+        for t in toks:
+            rho = level_ratio(cfg.tis_level, t)
+            w, rejected = _bound(rho, cfg.tis_mode, cfg.tis_lower_bound, cfg.tis_upper_bound)
+            keep = t["usable"] and not rejected
+            for k, v in _fractions("tis_", cfg.tis_mode, rho, cfg.tis_lower_bound, cfg.tis_upper_bound).items():
+                fracs[k].append(v)
+            if cfg.use_rs:
+                rs_rho = level_ratio(cfg.rs_level, t)
+                keep = keep and cfg.rs_lower_bound <= rs_rho <= cfg.rs_upper_bound
+                for k, v in _fractions("rs_", "mask", rs_rho, cfg.rs_lower_bound, cfg.rs_upper_bound).items():
+                    fracs[k].append(v)
+            keep = keep and not seq_rejected
+            before.append(rho)
+            after.append(w)
+            w_list.append(w if keep else 0.0)
+            keep_list.append(keep)
+        put("tis_weight_before_bound", i, before)
+        put("tis_weight_after_bound", i, after)
+        for k, v in fracs.items():
+            put(k, i, v)
+        put("is_ratio_mean_after_tis_rs", i, list(w_list))
+        weights.append(w_list)
+        keeps.append(keep_list)
+        if cfg.tis_level != "token":
+            seq_weights.append(_bound(level_ratio(cfg.tis_level, None), cfg.tis_mode, cfg.tis_lower_bound,
+                                      cfg.tis_upper_bound)[0])
+            seq_trained.append(any(keep_list))
+
+    # ---- batch normalisation over what is trained
+    if cfg.tis_level == "token":
+        kept = [w for ws, ks in zip(weights, keeps) for w, k in zip(ws, ks) if k]
+    else:
+        kept = [w for w, trained in zip(seq_weights, seq_trained) if trained]
+    mean = sum(kept) / len(kept) if kept else 0.0
+    factor = mean if (cfg.tis_batch_normalize and mean > 1e-8) else 1.0
+    weights = [[w / factor for w in ws] for ws in weights]
+
+    # ---- final statistics
+    kept_final = [w for ws, ks in zip(weights, keeps) for w, k in zip(ws, ks) if k]
+    n_valid = sum(t["valid"] for toks in sequences for t in toks)
+    all_w = [w for ws in weights for w in ws]
+    sum_w, sum_w2 = sum(all_w), sum(w * w for w in all_w)
+    batch = {
+        "batch_norm_factor": factor,
+        "is_ratio_min_final": min(kept_final) if kept_final else 0.0,
+        "is_ratio_max_final": max(kept_final) if kept_final else 0.0,
+        "ess": sum_w ** 2 / (n_valid * sum_w2) if sum_w2 > 0 else 0.0,
+    }
+    for i, toks in enumerate(sequences):
+        put("is_ratio_mean_final", i, list(weights[i]))
+        for name, value in batch.items():
+            put(name, i, [value] * len(toks))
+    masks = [[float(k) for k in ks] for ks in keeps]
+    return weights, masks, metrics
