@@ -62,10 +62,15 @@ class MisConfig:
 
         upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
-        _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
+        if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
+            _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
         rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=upper)
         rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
-        _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper)
+        if self.use_rs:
+            _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper,
+                         note="" if self.rs_lower_bound is not None and self.rs_upper_bound is not None
+                         else " (an unset rs bound takes the tis bound, and tis_lower_bound defaults to "
+                              "1/tis_upper_bound)")
         veto = _as_positive("rs_veto_threshold", self.rs_veto_threshold, default=None)
         if veto is not None and veto >= 1.0:
             raise ValueError(
@@ -167,7 +172,7 @@ def _as_positive(key: str, value: Any, *, default: float | None = None, required
     return number
 
 
-def _check_order(lower_key: str, lower: float, upper_key: str, upper: float) -> None:
+def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, note: str = "") -> None:
     if not lower < upper:
-        raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}: "
+        raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}{note}: "
                          "allowed values are 0 < lower < upper")

@@ -1,0 +1,105 @@
+"""The ``miles-mis`` command.
+
+  miles-mis check-config FILE [--use-tis]   print the effective config (defaults filled in) or the error
+  miles-mis demo [--configs-dir DIR]        run the plugin on a shipped example batch with every config
+                                            in configs/ and print the host-reduced metrics side by side
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from .config import MisConfig
+
+
+def _default_configs_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "configs"
+
+
+def check_config(path: str, use_tis: bool | None) -> int:
+    try:
+        cfg = MisConfig.from_yaml(path)
+        if use_tis is not None and "use_tis" not in _yaml_keys(path):
+            cfg = dataclasses.replace(cfg, use_tis=use_tis)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    keys = _yaml_keys(path)
+    print(f"# effective config of {path}")
+    for key, value in cfg.to_dict().items():
+        origin = "" if key in keys else "   # default" + (" (host flag --use-tis)" if key == "use_tis" else "")
+        print(f"{key}: {_yaml_value(value)}{origin}")
+    if not cfg.use_tis:
+        print("# use_tis is false: metrics-only mode (pg_loss and masks unchanged) unless the host passes --use-tis")
+    return 0
+
+
+def _yaml_keys(path: str) -> set[str]:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return set(data) if isinstance(data, dict) else set()
+
+
+def _yaml_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def demo(configs_dir: Path) -> int:
+    from .example_batch import make_example_batch
+    from .plugin import compute_mis_weights_with_cp
+    from .reporting import format_table, reduce_metrics
+
+    files = sorted(configs_dir.glob("*.yaml"))
+    if not files:
+        print(f"error: no *.yaml configs in {configs_dir}", file=sys.stderr)
+        return 1
+    batch = make_example_batch()
+    num_tokens = sum(int(m.sum()) for m in batch["loss_masks"])
+    print(f"example micro-batch: {len(batch['loss_masks'])} sequences, {num_tokens} trained tokens; "
+          "rollout log-probs from bf16-rounded logits, trainer log-probs in fp32 (synthetic logits)\n")
+    columns = {}
+    for path in files:
+        cfg = MisConfig.from_yaml(path)
+        if "use_tis" not in _yaml_keys(str(path)):
+            cfg = dataclasses.replace(cfg, use_tis=True)  # as with --use-tis
+        pg_loss = torch.ones(sum(batch["response_lengths"]))
+        _, masks, metrics = compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, **batch)
+        reduced = reduce_metrics(metrics, batch["loss_masks"])
+        kept = sum(float(m.sum()) for m in masks) / max(num_tokens, 1)
+        reduced["kept_token_fraction"] = kept
+        columns[path.stem] = reduced
+    rows = sorted({name for col in columns.values() for name in col})
+    rows.remove("kept_token_fraction")
+    print(format_table(["kept_token_fraction"] + rows, columns))
+    print("\nvalues are the host's mean over sequences of the per-sequence masked mean; '-' = not emitted")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="miles-mis", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check-config", help="print the effective config of a YAML file, or its error")
+    check.add_argument("file")
+    check.add_argument("--use-tis", action="store_true", default=None,
+                       help="as if the host passed --use-tis (when the file does not set use_tis)")
+    demo_parser = sub.add_parser("demo", help="run the plugin on a shipped example batch with every config")
+    demo_parser.add_argument("--configs-dir", type=Path, default=_default_configs_dir())
+    args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return check_config(args.file, args.use_tis)
+    return demo(args.configs_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

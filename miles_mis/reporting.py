@@ -1,0 +1,48 @@
+"""Host-side reduction of the per-token ``mis_`` metrics and a plain-text table, for the CLI and tests.
+
+``reduce_metrics`` is the contract's reducer: for each sequence, the masked mean of the metric over
+its (original) loss-mask tokens, then the mean over sequences (empty sequences count as 0, as
+miles' ``sum_of_sample_mean`` does). With ``per_token=True`` it is the masked mean over all tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+
+def reduce_metrics(metrics: Mapping[str, Tensor], loss_masks: Sequence[Tensor], *,
+                   per_token: bool = False) -> dict[str, float]:
+    lengths = [int(m.numel()) for m in loss_masks]
+    if not lengths:
+        return {name: 0.0 for name in metrics}
+    mask = torch.cat(list(loss_masks)).float()
+    seq_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    counts = torch.zeros(len(lengths)).index_add_(0, seq_index, mask)
+    out = {}
+    for name, value in metrics.items():
+        masked = value.detach().float().cpu() * mask
+        if per_token:
+            out[name] = float(masked.sum() / counts.sum().clamp(min=1))
+        else:
+            sums = torch.zeros(len(lengths)).index_add_(0, seq_index, masked)
+            out[name] = float((sums / counts.clamp(min=1)).sum() / len(lengths))
+    return out
+
+
+def format_table(rows: Sequence[str], columns: Mapping[str, Mapping[str, float]]) -> str:
+    """A fixed-width table: one row per metric, one column per run; '-' where a run has no value."""
+    names = list(columns)
+    width = max([len(r) for r in rows] + [6])
+    col = max([len(n) for n in names] + [10])
+    lines = [f"{'metric':<{width}}  " + "  ".join(f"{n:>{col}}" for n in names)]
+    lines.append("-" * len(lines[0]))
+    for row in rows:
+        cells = []
+        for n in names:
+            value = columns[n].get(row)
+            cells.append(f"{'-':>{col}}" if value is None else f"{value:>{col}.4g}")
+        lines.append(f"{row:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
