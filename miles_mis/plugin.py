@@ -73,7 +73,7 @@ def compute_mis_weights(
     config = MisConfig.from_args(args)
     batch, lengths = pack_full_sequences(train_log_probs, rollout_log_probs, loss_masks)
     correction = _correct(batch, config)
-    split = lambda flat: list(torch.split(flat, lengths))  # noqa: E731
+    split = lambda flat: list(flat.split_with_sizes(lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
     masks = [m.to(orig.dtype) for m, orig in zip(split(correction.token_keep), loss_masks)]
     return weights, masks, {name: split(value) for name, value in correction.metrics.items()}
@@ -94,7 +94,7 @@ def _apply(config: MisConfig, pg_loss: Tensor, train_log_probs, rollout_log_prob
         # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
         pg_loss = torch.where(correction.token_keep, weighted, torch.zeros_like(weighted))
     mask_dtype = loss_masks[0].dtype if len(loss_masks) else torch.float32
-    masks = list(torch.split(correction.token_keep.to(mask_dtype), lengths))
+    masks = list(correction.token_keep.to(mask_dtype).split_with_sizes(lengths))  # (torch.split is slow on lists)
     return pg_loss, masks, correction.metrics
 
 
@@ -121,26 +121,39 @@ def pack_full_sequences(train_log_probs, rollout_log_probs, loss_masks, *, respo
     if len(set(counts.values())) > 1:
         raise ValueError("inputs disagree on the number of sequences: "
                          + ", ".join(f"{name} has {n}" for name, n in counts.items()))
-    for i, (train, rollout, mask) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
-        shapes = (tuple(train.shape), tuple(rollout.shape), tuple(mask.shape))
-        if len(shapes[0]) != 1 or len(set(shapes)) > 1:
-            raise ValueError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has shape "
-                             f"{shapes[1]}, loss_masks has shape {shapes[2]}; all must be the same 1-D shape")
-        if response_lengths is not None and int(response_lengths[i]) != shapes[0][0]:
-            raise ValueError(f"sequence {i}: response_lengths[{i}]={int(response_lengths[i])} but its log-probs "
-                             f"have shape {shapes[0]}")
-        if total_lengths is not None and response_lengths is not None and \
-                int(total_lengths[i]) < int(response_lengths[i]):
+    # Cheap whole-list checks first (numel, not .shape, which is slow on views; 1-D is checked on the
+    # concatenated result); the sequences are walked only to name the first bad one.
+    lengths = [t.numel() for t in train_log_probs]
+    flat = None
+    if lengths == [t.numel() for t in rollout_log_probs] == [m.numel() for m in loss_masks]:
+        try:
+            flat = [torch.cat(list(seq)) if len(seq) else torch.zeros(0)
+                    for seq in (train_log_probs, rollout_log_probs, loss_masks)]
+        except RuntimeError:  # mixed dimensions
+            flat = None
+    if flat is None or any(f.ndim != 1 for f in flat):
+        _raise_first_shape_error(train_log_probs, rollout_log_probs, loss_masks)
+    if response_lengths is not None and list(map(int, response_lengths)) != lengths:
+        i = next(i for i, (r, n) in enumerate(zip(response_lengths, lengths)) if int(r) != n)
+        raise ValueError(f"sequence {i}: response_lengths[{i}]={int(response_lengths[i])} but its log-probs "
+                         f"have shape ({lengths[i]},)")
+    if total_lengths is not None and response_lengths is not None:
+        short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if int(t) < int(r)]
+        if short:
+            i = short[0]
             raise ValueError(f"sequence {i}: total_lengths[{i}]={int(total_lengths[i])} is smaller than "
                              f"response_lengths[{i}]={int(response_lengths[i])}")
-    lengths = [int(t.shape[0]) for t in train_log_probs]
-    if not lengths:
-        empty = torch.zeros(0)
-        return core.PackedBatch.from_flat(empty, empty, empty.bool(), torch.zeros(0, dtype=torch.long)), lengths
-    train = torch.cat(list(train_log_probs))
+    train, rollout, masks = flat
     device = train.device
-    batch = core.PackedBatch.from_flat(
-        train, torch.cat(list(rollout_log_probs)).to(device),
-        torch.cat(list(loss_masks)).to(device),  # one cat for all sequences; nonzero = trained token
-        torch.tensor(lengths, device=device))
+    batch = core.PackedBatch.from_flat(train, rollout.to(device), masks.to(device),  # nonzero = trained token
+                                       torch.tensor(lengths, dtype=torch.long, device=device))
     return batch, lengths
+
+
+def _raise_first_shape_error(train_log_probs, rollout_log_probs, loss_masks) -> None:
+    for i, tensors in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
+        shapes = [tuple(t.shape) for t in tensors]
+        if len(shapes[0]) != 1 or len(set(shapes)) > 1:
+            raise ValueError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has "
+                             f"shape {shapes[1]}, loss_masks has shape {shapes[2]}; all must be the same 1-D shape")
+    raise ValueError("inputs are not lists of 1-D tensors")
