@@ -4,18 +4,23 @@ One call runs four stages, each vectorised over the whole batch (no Python loop 
 so the number of tensor operations does not grow with the batch size):
 
 1. ``token_terms``      per-token quantities of this rank's tokens (log ratio, token-level decisions);
-2. ``local_seq_stats``  per-sequence sums/maxima of those quantities, one [B, K] table;
+2. ``local_seq_stats``  per-sequence sums/extrema of those quantities, one [B, K] table;
 3. (the caller combines the tables of the context-parallel ranks: see ``miles_mis.distributed``);
 4. ``finalize``         sequence-level decisions, weights, normalisation and metrics, from the
                         combined table plus this rank's own tokens.
 
 Every formula is written once here and once in docs/math.md. Notation: ℓ_t = log π_train − log π_rollout
 on a valid token, ρ = exp(clamp(ℓ, ±20)).
+
+Masks and indicators are float 0/1 tensors, combined by multiplication: on CPU, bool tensors,
+bool→float conversions and ``torch.where`` cost 5–20× a float multiply, and this code runs once
+per micro-batch on ~10⁵–10⁶ tokens. Every value multiplied by a mask here is finite.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,12 @@ from .config import MisConfig
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps every weight and sum of weights finite in float32
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
+_NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
+
+
+def indicator(compare, a: Tensor, b) -> Tensor:
+    """Float 0/1 result of an elementwise comparison, e.g. ``indicator(torch.gt, ratio, upper)``."""
+    return compare(a, b, out=torch.empty_like(a, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -32,12 +43,12 @@ class PackedBatch:
     """This rank's response tokens of B sequences, concatenated in batch order.
 
     seq_lengths[i] tokens of sequence i are contiguous; ``loss_mask`` is the local part of the full
-    loss masks (True = trained token).
+    loss masks (nonzero = trained token).
     """
 
     train_log_probs: Tensor  # [N] float32
     rollout_log_probs: Tensor  # [N] float32
-    loss_mask: Tensor  # [N] bool
+    loss_mask: Tensor  # [N] any dtype, nonzero = valid
     seq_lengths: Tensor  # [B] int64, local tokens per sequence
     seq_index: Tensor  # [N] int64, sequence of each token
     segment_matrix: Tensor  # [B, N] sparse CSR of ones: segment_matrix @ x = per-sequence sums of x
@@ -54,14 +65,16 @@ class PackedBatch:
         seq_lengths = seq_lengths.to(device=device, dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(seq_lengths.numel(), device=device), seq_lengths,
                                             output_size=num_tokens)
-        # A CSR row per sequence: one sparse matmul sums all statistic columns of every sequence at once,
+        # A CSR row per sequence: one sparse mat-vec sums a column over every sequence at once,
         # several times faster on CPU than segment_reduce, index_add_ or a float64 cumsum.
         row_offsets = torch.zeros(seq_lengths.numel() + 1, dtype=torch.long, device=device)
         torch.cumsum(seq_lengths, 0, out=row_offsets[1:])
-        segment_matrix = torch.sparse_csr_tensor(
-            row_offsets, torch.arange(num_tokens, device=device), torch.ones(num_tokens, device=device),
-            size=(seq_lengths.numel(), num_tokens), check_invariants=False)
-        return cls(train_log_probs.float(), rollout_log_probs.float(), loss_mask.bool(), seq_lengths, seq_index,
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": mat-vec is all we use
+            warnings.simplefilter("ignore", UserWarning)
+            segment_matrix = torch.sparse_csr_tensor(
+                row_offsets, torch.arange(num_tokens, device=device), torch.ones(num_tokens, device=device),
+                size=(seq_lengths.numel(), num_tokens), check_invariants=False)
+        return cls(train_log_probs.float(), rollout_log_probs.float(), loss_mask, seq_lengths, seq_index,
                    segment_matrix)
 
     def per_seq_sum(self, values: Tensor) -> Tensor:
@@ -70,72 +83,77 @@ class PackedBatch:
             return values.new_zeros(self.num_seqs)
         return self.segment_matrix @ values
 
-    def per_seq_max(self, values: Tensor) -> Tensor:
-        """[N] -> [B] maximum over each sequence's tokens (−inf for a sequence with no token)."""
-        out = values.new_full((self.num_seqs,), float("-inf"))
-        return out.scatter_reduce_(0, self.seq_index, values, "amax")
+    def per_seq_extreme(self, values: Tensor, reduce: str, empty: float) -> Tensor:
+        """[N] -> [B] "amax"/"amin" over each sequence's tokens (``empty`` for a sequence with no token)."""
+        out = values.new_full((self.num_seqs,), empty)
+        return out.scatter_reduce_(0, self.seq_index, values, reduce)
 
     def broadcast(self, table: Tensor) -> Tensor:
         """[B, M] per-sequence values -> [N, M], each token getting its sequence's row."""
-        return table.repeat_interleave(self.seq_lengths, dim=0, output_size=self.seq_index.numel())
+        return table.index_select(0, self.seq_index)
 
 
 # --------------------------------------------------------------------------- bounding (one place)
 def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple[Tensor, Tensor]:
-    """Apply an IS mode to ratios ρ (per token or per sequence). Returns (weight, rejected).
+    """Apply an IS mode to ratios ρ (per token or per sequence). Returns (weight, rejected 0/1).
 
     truncate: w = min(ρ, U)                     rejected = ∅
     clip:     w = clamp(ρ, L, U)                rejected = ∅
     mask:     w = ρ                             rejected = {ρ ∉ [L, U]}
     icepop:   w = ρ·1[L ≤ ρ ≤ U]                rejected = ∅ (the mask is unchanged)
     """
-    outside = (ratio < lower) | (ratio > upper)
     if mode == "truncate":
-        return ratio.clamp(max=upper), torch.zeros_like(outside)
+        return ratio.clamp(max=upper), torch.zeros_like(ratio)
     if mode == "clip":
-        return ratio.clamp(lower, upper), torch.zeros_like(outside)
+        return ratio.clamp(lower, upper), torch.zeros_like(ratio)
+    outside = indicator(torch.lt, ratio, lower) + indicator(torch.gt, ratio, upper)  # disjoint: 0/1
     if mode == "mask":
         return ratio, outside
     if mode == "icepop":
-        return torch.where(outside, torch.zeros_like(ratio), ratio), torch.zeros_like(outside)
+        return ratio * (1.0 - outside), torch.zeros_like(ratio)
     raise ValueError(f"tis_mode={mode!r} is invalid: allowed values are truncate, clip, mask, icepop")
 
 
 def bound_fraction_metrics(prefix: str, mode: str, ratio: Tensor, lower: float, upper: float) -> dict[str, Tensor]:
     """Indicator metrics of a bounding stage: ``{prefix}truncate_fraction`` for truncate (ρ > U),
     ``{prefix}{mode}_fraction_low`` (ρ < L) and ``_high`` (ρ > U) for the other modes."""
-    high = (ratio > upper).float()
+    high = indicator(torch.gt, ratio, upper)
     if mode == "truncate":
         return {f"{prefix}truncate_fraction": high}
-    return {f"{prefix}{mode}_fraction_low": (ratio < lower).float(), f"{prefix}{mode}_fraction_high": high}
+    return {f"{prefix}{mode}_fraction_low": indicator(torch.lt, ratio, lower), f"{prefix}{mode}_fraction_high": high}
 
 
 # --------------------------------------------------------------------------- stage 1: tokens
 @dataclass(frozen=True)
 class TokenTerms:
-    valid: Tensor  # [N] bool: loss_mask
-    usable: Tensor  # [N] bool: valid and both log-probs finite
-    nonfinite: Tensor  # [N] bool: valid and a log-prob is NaN/±inf
-    train_log_probs: Tensor  # [N] 0 where not usable
-    log_ratio: Tensor  # [N] ℓ_t, 0 where not usable
-    token_ratio: Tensor  # [N] ρ_t = exp(clamp(ℓ_t))
-    catastrophic: Tensor  # [N] bool: usable and ρ_t < veto threshold
-    token_pass: Tensor  # [N] bool: usable and not rejected by a token-level stage
-    token_weight: Tensor  # [N] token-level TIS weight (only meaningful when tis_level == "token")
+    """Per-token quantities [N]; masks are float 0/1."""
+
+    valid: Tensor  # loss_mask != 0
+    usable: Tensor  # valid and both log-probs finite
+    train_log_probs: Tensor  # log π_train, 0 where not usable
+    log_ratio: Tensor  # ℓ_t, 0 where not usable (so ρ_t = 1 there)
+    token_ratio: Tensor  # ρ_t = exp(clamp(ℓ_t))
+    catastrophic: Tensor  # usable and ℓ_t < log(veto threshold)
+    token_pass: Tensor  # usable and not rejected by a token-level stage
+    token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
+
+    @property
+    def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf
+        return self.valid - self.usable
 
 
 def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
-    valid = batch.loss_mask
-    finite = torch.isfinite(batch.train_log_probs) & torch.isfinite(batch.rollout_log_probs)
-    usable = valid & finite
-    zero = torch.zeros((), device=valid.device)
-    train = torch.where(usable, batch.train_log_probs, zero)
-    log_ratio = torch.where(usable, batch.train_log_probs - batch.rollout_log_probs, zero)
+    valid = indicator(torch.ne, batch.loss_mask, 0)
+    diff = batch.train_log_probs - batch.rollout_log_probs
+    # diff is finite iff both log-probs are (inf − inf and NaN propagate); 0·x == 0 iff x is finite
+    usable = valid * indicator(torch.eq, diff * 0.0, 0.0)
+    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0) * usable
+    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0) * usable
     token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
     if config.rs_veto_threshold is not None:
         # compare the raw ℓ_t, not the clamped ratio: a threshold below e^-20 must still fire
-        catastrophic = usable & (log_ratio < math.log(config.rs_veto_threshold))
+        catastrophic = usable * indicator(torch.lt, log_ratio, math.log(config.rs_veto_threshold))
     else:
         catastrophic = torch.zeros_like(usable)
 
@@ -144,56 +162,61 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     if config.tis_level == "token":
         token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound,
                                                config.tis_upper_bound)
-        token_pass = token_pass & ~rejected
+        token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":
-        token_pass = token_pass & (token_ratio >= config.rs_lower_bound) & (token_ratio <= config.rs_upper_bound)
-    return TokenTerms(valid, usable, valid & ~finite, train, log_ratio, token_ratio, catastrophic,
-                      token_pass, token_weight)
+        token_pass = token_pass * (indicator(torch.ge, token_ratio, config.rs_lower_bound)
+                                   * indicator(torch.le, token_ratio, config.rs_upper_bound))
+    return TokenTerms(valid, usable, train, log_ratio, token_ratio, catastrophic, token_pass, token_weight)
 
 
 # --------------------------------------------------------------------------- stage 2: per-sequence table
-# Columns of the per-sequence table. SUM columns are added across CP ranks, MAX columns maxed.
+# Columns of the per-sequence table; across CP ranks SUM columns are added, MAX maxed, MIN minned.
 SUM_COLUMNS = ("n_valid", "n_usable", "sum_train_log_prob", "sum_log_ratio", "sum_k3", "sum_ratio_sq",
                "n_catastrophic", "n_token_pass", "sum_token_weight", "sum_token_weight_sq")
-MAX_COLUMNS = ("max_token_weight", "max_neg_token_weight")
-COL = {name: i for i, name in enumerate(SUM_COLUMNS + MAX_COLUMNS)}
+MAX_COLUMNS = ("max_token_weight",)
+MIN_COLUMNS = ("min_token_weight",)
+COL = {name: i for i, name in enumerate(SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS)}
 NUM_SUM_COLUMNS = len(SUM_COLUMNS)
+NUM_COLUMNS = len(COL)
 
 
 def local_seq_stats(batch: PackedBatch, terms: TokenTerms) -> Tensor:
-    """[B, len(SUM_COLUMNS) + len(MAX_COLUMNS)] float32 table of this rank's per-sequence statistics.
+    """[B, NUM_COLUMNS] float32 table of this rank's per-sequence statistics.
 
-    k3_t = exp(clamp(ℓ_t)) − ℓ_t − 1 (exact for ℓ_t ≤ 20, finite beyond); max columns are −inf for a
-    sequence with no passing token here.
+    k3_t = exp(clamp(ℓ_t)) − ℓ_t − 1 (exact for ℓ_t ≤ 20, finite beyond). The extreme columns are over
+    passing tokens: −1 (max) and 3e38 (min) for a sequence without one here (weights are in [0, e^20]).
+    Derived, not summed: n_nonfinite = n_valid − n_usable, Σ log π_rollout = Σ log π_train − Σ ℓ.
     """
-    weight = torch.where(terms.token_pass, terms.token_weight, 0.0)
-    # Derived, not summed: n_nonfinite = n_valid − n_usable, Σ log π_rollout = Σ log π_train − Σ ℓ.
-    # ℓ = 0 (so ρ = 1 and k3 = 0) on tokens that are not usable.
+    weight = terms.token_weight * terms.token_pass
     values = {
         "n_valid": terms.valid, "n_usable": terms.usable,
         "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
-        "sum_k3": terms.token_ratio - terms.log_ratio - 1.0,
-        "sum_ratio_sq": torch.where(terms.usable, terms.token_ratio.square(), 0.0),
+        "sum_k3": terms.token_ratio - terms.log_ratio - 1.0,  # 0 where not usable (ℓ = 0, ρ = 1)
+        "sum_ratio_sq": terms.token_ratio.square() * terms.usable,
         "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
         "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,
     }
     # one sparse mat-vec per column: no [N, K] buffer is materialised (memory traffic dominates on CPU)
-    sums = torch.stack([batch.per_seq_sum(values[name].float()) for name in SUM_COLUMNS], dim=1)
-    maxima = torch.stack([batch.per_seq_max(torch.where(terms.token_pass, terms.token_weight, float("-inf"))),
-                          batch.per_seq_max(torch.where(terms.token_pass, -terms.token_weight, float("-inf")))], 1)
-    return torch.cat([sums, maxima], dim=1)
+    columns = [batch.per_seq_sum(values[name]) for name in SUM_COLUMNS]
+    not_passing = 1.0 - terms.token_pass
+    columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0))
+    columns.append(batch.per_seq_extreme(weight + not_passing * _NO_TOKEN, "amin", _NO_TOKEN))
+    return torch.stack(columns, dim=1)
 
 
 def combine_seq_stats(per_rank: Tensor) -> Tensor:
     """Reduce a [C, B, K] stack of per-rank tables (C context-parallel ranks) into one [B, K] table."""
-    return torch.cat([per_rank[..., :NUM_SUM_COLUMNS].sum(0), per_rank[..., NUM_SUM_COLUMNS:].amax(0)], dim=1)
+    sums = per_rank[..., :NUM_SUM_COLUMNS].sum(0)
+    maxima = per_rank[..., NUM_SUM_COLUMNS:NUM_SUM_COLUMNS + len(MAX_COLUMNS)].amax(0)
+    minima = per_rank[..., NUM_SUM_COLUMNS + len(MAX_COLUMNS):].amin(0)
+    return torch.cat([sums, maxima, minima], dim=1)
 
 
 # --------------------------------------------------------------------------- stage 4: decisions, weights, metrics
 @dataclass(frozen=True)
 class Correction:
     weights: Tensor | None  # [N] final detached weights of the local tokens, 0 where rejected; None = metrics-only
-    token_keep: Tensor  # [N] bool: local token stays in the mask
+    token_keep: Tensor  # [N] float 0/1: local token stays in the mask
     seq_keep: Tensor  # [B] bool: sequence not rejected by a sequence-level stage
     metrics: dict[str, Tensor]  # name (with mis_ prefix) -> [N] float32, aligned with the local tokens
 
@@ -202,27 +225,29 @@ def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     return numerator / denominator.clamp(min=1.0)
 
 
+def _clamped_exp(x: Tensor) -> Tensor:
+    return x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
 def mismatch_seq_metrics(stats: Tensor) -> dict[str, Tensor]:
     """Per-sequence mismatch metrics [B] from the combined table, over the usable tokens of each sequence."""
     n_usable = stats[:, COL["n_usable"]]
     mean_train = _safe_divide(stats[:, COL["sum_train_log_prob"]], n_usable)
-    mean_rollout = mean_train - _safe_divide(stats[:, COL["sum_log_ratio"]], n_usable)
-    log_ppl_diff = -_safe_divide(stats[:, COL["sum_log_ratio"]], n_usable)  # = mean_rollout − mean_train
-    sum_log_ratio = stats[:, COL["sum_log_ratio"]].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    clamped_exp = lambda x: x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # noqa: E731
+    mean_log_ratio = _safe_divide(stats[:, COL["sum_log_ratio"]], n_usable)
+    mean_rollout = mean_train - mean_log_ratio
+    log_ppl_diff = -mean_log_ratio  # = mean log π_rollout − mean log π_train
     return {
         "training_log_ppl": -mean_train,
-        "training_ppl": clamped_exp(-mean_train),
+        "training_ppl": _clamped_exp(-mean_train),
         "rollout_log_ppl": -mean_rollout,
-        "rollout_ppl": clamped_exp(-mean_rollout),
+        "rollout_ppl": _clamped_exp(-mean_rollout),
         "kl": log_ppl_diff,
         "k3_kl": _safe_divide(stats[:, COL["sum_k3"]], n_usable),
         "log_ppl_diff": log_ppl_diff,
         "log_ppl_abs_diff": log_ppl_diff.abs(),
-        "ppl_ratio": clamped_exp(log_ppl_diff),
-        "chi2_token": torch.where(n_usable > 0, _safe_divide(stats[:, COL["sum_ratio_sq"]], n_usable) - 1.0,
-                                  torch.zeros_like(n_usable)),
-        "chi2_seq": (2.0 * sum_log_ratio).exp() - 1.0,
+        "ppl_ratio": _clamped_exp(log_ppl_diff),
+        "chi2_token": (_safe_divide(stats[:, COL["sum_ratio_sq"]], n_usable) - 1.0) * (n_usable > 0),
+        "chi2_seq": (2.0 * stats[:, COL["sum_log_ratio"]].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp() - 1.0,
     }
 
 
@@ -241,27 +266,27 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
 
     ``stats`` is the per-sequence table combined over the context-parallel group, so every rank
     takes the same sequence-level decisions and the same batch-level normalisation. Everything
-    per-sequence or per-batch is gathered in one [B, M] table and broadcast to the tokens once.
+    per-sequence is gathered in one [B, M] table and broadcast to the tokens once.
     """
     seq_values = mismatch_seq_metrics(stats)
-    token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite.float()}
+    token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
     if not config.use_tis:
-        per_token = _broadcast(batch, seq_values)
-        return Correction(None, terms.valid.clone(), torch.ones_like(stats[:, 0], dtype=torch.bool),
-                          _metrics(token_metrics, per_token))
+        return Correction(None, terms.valid, torch.ones(batch.num_seqs, dtype=torch.bool, device=stats.device),
+                          _metrics(token_metrics, _broadcast(batch, seq_values)))
 
-    no_seq = torch.zeros_like(stats[:, 0], dtype=torch.bool)
+    seq_reject = torch.zeros(batch.num_seqs, dtype=torch.bool, device=stats.device)
     # -- importance weights before/after bounding, at tis_level
     if config.tis_level == "token":
         token_metrics["tis_weight_before_bound"] = terms.token_ratio
         token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
                                                     config.tis_lower_bound, config.tis_upper_bound))
         token_metrics["tis_weight_after_bound"] = terms.token_weight
-        seq_weight, seq_reject = None, no_seq
+        seq_weight = None
     else:
-        seq_ratio = level_log_ratio(stats, config.tis_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        seq_weight, seq_reject = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound,
-                                               config.tis_upper_bound)
+        seq_ratio = _clamped_exp(level_log_ratio(stats, config.tis_level))
+        seq_weight, rejected = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound,
+                                             config.tis_upper_bound)
+        seq_reject = seq_reject | (rejected > 0)
         seq_values["tis_weight_before_bound"] = seq_ratio
         seq_values.update(bound_fraction_metrics("tis_", config.tis_mode, seq_ratio,
                                                  config.tis_lower_bound, config.tis_upper_bound))
@@ -273,7 +298,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
             token_metrics.update(bound_fraction_metrics("rs_", "mask", terms.token_ratio,
                                                         config.rs_lower_bound, config.rs_upper_bound))
         else:
-            rs_ratio = level_log_ratio(stats, config.rs_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            rs_ratio = _clamped_exp(level_log_ratio(stats, config.rs_level))
             seq_values.update(bound_fraction_metrics("rs_", "mask", rs_ratio,
                                                      config.rs_lower_bound, config.rs_upper_bound))
             seq_reject = seq_reject | (rs_ratio < config.rs_lower_bound) | (rs_ratio > config.rs_upper_bound)
@@ -281,10 +306,10 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     # -- veto (applied whenever a threshold is set) and non-finite log-probs: reject the sequence whole
     if config.rs_veto_threshold is not None:
         vetoed = stats[:, COL["n_catastrophic"]] > 0
-        token_metrics["rs_catastrophic_token_fraction"] = terms.catastrophic.float()
+        token_metrics["rs_catastrophic_token_fraction"] = terms.catastrophic
         seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
         seq_reject = seq_reject | vetoed
-    seq_keep = ~(seq_reject | (stats[:, COL["n_valid"]] > stats[:, COL["n_usable"]]))  # non-finite
+    seq_keep = ~(seq_reject | (stats[:, COL["n_valid"]] > stats[:, COL["n_usable"]]))
 
     # -- batch statistics of the kept weights (before normalisation), from the per-sequence table
     n_pass = stats[:, COL["n_token_pass"]] * seq_keep
@@ -292,20 +317,20 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         sum_w = (stats[:, COL["sum_token_weight"]] * seq_keep).sum()
         sum_w_sq = (stats[:, COL["sum_token_weight_sq"]] * seq_keep).sum()
         mean_w = sum_w / n_pass.sum().clamp(min=1)  # over kept tokens
-        max_w = torch.where(seq_keep, stats[:, COL["max_token_weight"]], float("-inf")).amax()
-        min_w = -torch.where(seq_keep, stats[:, COL["max_neg_token_weight"]], float("-inf")).amax()
+        max_w = torch.where(seq_keep, stats[:, COL["max_token_weight"]], -1.0).amax()
+        min_w = torch.where(seq_keep, stats[:, COL["min_token_weight"]], _NO_TOKEN).amin()
     else:
         trained_seq = n_pass > 0
         sum_w = (n_pass * seq_weight).sum()
         sum_w_sq = (n_pass * seq_weight.square()).sum()
         mean_w = (seq_weight * trained_seq).sum() / trained_seq.sum().clamp(min=1)  # over trained sequences
-        max_w = torch.where(trained_seq, seq_weight, float("-inf")).amax()
-        min_w = -torch.where(trained_seq, -seq_weight, float("-inf")).amax()
+        max_w = torch.where(trained_seq, seq_weight, -1.0).amax()
+        min_w = torch.where(trained_seq, seq_weight, _NO_TOKEN).amin()
     if config.tis_batch_normalize:
         factor = torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, torch.ones_like(mean_w))
     else:
         factor = torch.ones_like(mean_w)
-    any_kept = torch.isfinite(max_w)
+    any_kept = max_w >= 0
     n_valid = stats[:, COL["n_valid"]].sum()
     batch_values = {
         "batch_norm_factor": factor,
@@ -320,15 +345,13 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     if seq_weight is not None:
         seq_values[_WEIGHT] = seq_weight
     per_token = _broadcast(batch, seq_values)
-    token_keep = terms.token_pass & (per_token.pop(_KEEP) > 0)
-    weight = terms.token_weight if seq_weight is None else per_token.pop(_WEIGHT)
-    weight = torch.where(token_keep, weight, 0.0)
+    token_keep = terms.token_pass * per_token.pop(_KEEP)
+    weight = (terms.token_weight if seq_weight is None else per_token.pop(_WEIGHT)) * token_keep
     token_metrics["is_ratio_mean_after_tis_rs"] = weight
     weight = (weight / factor).detach()
     token_metrics["is_ratio_mean_final"] = weight
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
-    num_tokens = weight.numel()
-    token_metrics.update({name: value.expand(num_tokens).contiguous() for name, value in batch_values.items()})
+    token_metrics.update({name: value.expand(weight.numel()).contiguous() for name, value in batch_values.items()})
     return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token))
 
 

@@ -75,7 +75,7 @@ def compute_mis_weights(
     correction = _correct(batch, config)
     split = lambda flat: list(flat.split_with_sizes(lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
-    masks = [m.to(orig.dtype) for m, orig in zip(split(correction.token_keep), loss_masks)]
+    masks = list(_output_masks(batch, correction).split_with_sizes(lengths))
     return weights, masks, {name: split(value) for name, value in correction.metrics.items()}
 
 
@@ -92,10 +92,17 @@ def _apply(config: MisConfig, pg_loss: Tensor, train_log_probs, rollout_log_prob
     if correction.weights is not None:
         weighted = pg_loss * correction.weights.to(pg_loss.dtype)
         # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
-        pg_loss = torch.where(correction.token_keep, weighted, torch.zeros_like(weighted))
-    mask_dtype = loss_masks[0].dtype if len(loss_masks) else torch.float32
-    masks = list(correction.token_keep.to(mask_dtype).split_with_sizes(lengths))  # (torch.split is slow on lists)
+        pg_loss = torch.where(correction.token_keep > 0, weighted, torch.zeros_like(weighted))
+    masks = list(_output_masks(batch, correction).split_with_sizes(lengths))  # (torch.split is slow on lists)
     return pg_loss, masks, correction.metrics
+
+
+def _output_masks(batch: core.PackedBatch, correction: core.Correction) -> Tensor:
+    """Flat modified masks in the input masks' dtype; in metrics-only mode the input values unchanged
+    (a new tensor: the concatenation made while packing)."""
+    if correction.weights is None:
+        return batch.loss_mask
+    return correction.token_keep.to(batch.loss_mask.dtype)
 
 
 def _correct(batch: core.PackedBatch, config: MisConfig) -> core.Correction:
