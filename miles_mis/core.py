@@ -106,11 +106,11 @@ def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple
         return ratio.clamp(max=upper), torch.zeros_like(ratio)
     if mode == "clip":
         return ratio.clamp(lower, upper), torch.zeros_like(ratio)
-    outside = indicator(torch.lt, ratio, lower) + indicator(torch.gt, ratio, upper)  # disjoint: 0/1
+    outside = indicator(torch.lt, ratio, lower).add_(indicator(torch.gt, ratio, upper))  # disjoint: 0/1
     if mode == "mask":
         return ratio, outside
     if mode == "icepop":
-        return ratio * (1.0 - outside), torch.zeros_like(ratio)
+        return (1.0 - outside).mul_(ratio), torch.zeros_like(ratio)
     raise ValueError(f"tis_mode={mode!r} is invalid: allowed values are truncate, clip, mask, icepop")
 
 
@@ -146,14 +146,15 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     valid = indicator(torch.ne, batch.loss_mask, 0)
     diff = batch.train_log_probs - batch.rollout_log_probs
     # diff is finite iff both log-probs are (inf − inf and NaN propagate); 0·x == 0 iff x is finite
-    usable = valid * indicator(torch.eq, diff * 0.0, 0.0)
-    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0) * usable
-    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0) * usable
-    token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    # (in-place ops below only touch temporaries created on the same line: fewer passes over fresh memory)
+    usable = indicator(torch.eq, diff * 0.0, 0.0).mul_(valid)
+    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
+    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
+    token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
 
     if config.rs_veto_threshold is not None:
         # compare the raw ℓ_t, not the clamped ratio: a threshold below e^-20 must still fire
-        catastrophic = usable * indicator(torch.lt, log_ratio, math.log(config.rs_veto_threshold))
+        catastrophic = indicator(torch.lt, log_ratio, math.log(config.rs_veto_threshold)).mul_(usable)
     else:
         catastrophic = torch.zeros_like(usable)
 
@@ -164,8 +165,8 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
                                                config.tis_upper_bound)
         token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":
-        token_pass = token_pass * (indicator(torch.ge, token_ratio, config.rs_lower_bound)
-                                   * indicator(torch.le, token_ratio, config.rs_upper_bound))
+        token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
+                      .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, catastrophic, token_pass, token_weight)
 
 
@@ -191,8 +192,8 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms) -> Tensor:
     values = {
         "n_valid": terms.valid, "n_usable": terms.usable,
         "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
-        "sum_k3": terms.token_ratio - terms.log_ratio - 1.0,  # 0 where not usable (ℓ = 0, ρ = 1)
-        "sum_ratio_sq": terms.token_ratio.square() * terms.usable,
+        "sum_k3": (terms.token_ratio - terms.log_ratio).sub_(1.0),  # 0 where not usable (ℓ = 0, ρ = 1)
+        "sum_ratio_sq": terms.token_ratio.square().mul_(terms.usable),
         "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
         "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,
     }
@@ -200,7 +201,7 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms) -> Tensor:
     columns = [batch.per_seq_sum(values[name]) for name in SUM_COLUMNS]
     not_passing = 1.0 - terms.token_pass
     columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0))
-    columns.append(batch.per_seq_extreme(weight + not_passing * _NO_TOKEN, "amin", _NO_TOKEN))
+    columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN))
     return torch.stack(columns, dim=1)
 
 
