@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
+NORMALIZE_SCOPES = ("micro_batch", "dp")
 
 # Attributes a miles/slime host owns that start with the prefixes we police on a Namespace;
 # they belong to the host's built-in vanilla TIS, not to us.
@@ -38,6 +39,8 @@ class MisConfig:
     rs_veto_threshold: None = off; otherwise a sequence with any valid token whose ratio is
         below it is rejected whole.
     tis_batch_normalize: rescale the final weights to mean 1 over what is trained.
+    tis_batch_normalize_scope: "micro_batch" (the mean of this micro-batch, as miles) or "dp" (the mean
+        over the micro-batches of all data-parallel ranks at this step: one more all-reduce).
     """
 
     use_tis: bool = False
@@ -51,6 +54,7 @@ class MisConfig:
     rs_upper_bound: float | None = None
     rs_veto_threshold: float | None = None
     tis_batch_normalize: bool = False
+    tis_batch_normalize_scope: str = "micro_batch"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -59,6 +63,8 @@ class MisConfig:
         set_("tis_level", _as_choice("tis_level", self.tis_level, LEVELS))
         set_("rs_level", _as_choice("rs_level", self.rs_level, LEVELS))
         set_("tis_mode", _as_choice("tis_mode", self.tis_mode, TIS_MODES))
+        set_("tis_batch_normalize_scope",
+             _as_choice("tis_batch_normalize_scope", self.tis_batch_normalize_scope, NORMALIZE_SCOPES))
 
         upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -262,12 +263,15 @@ def level_log_ratio(stats: Tensor, level: str) -> Tensor:
     raise ValueError(f"level={level!r} has no per-sequence ratio: allowed values are sequence, geometric")
 
 
-def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig) -> Correction:
+def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
+             reduce_normalizer: Callable[[Tensor], Tensor] | None = None) -> Correction:
     """Sequence-level decisions, final weights and all metrics for this rank's tokens.
 
     ``stats`` is the per-sequence table combined over the context-parallel group, so every rank
     takes the same sequence-level decisions and the same batch-level normalisation. Everything
     per-sequence is gathered in one [B, M] table and broadcast to the tokens once.
+    ``reduce_normalizer`` sums the [numerator, denominator] of the normalisation mean over the
+    data-parallel group (``tis_batch_normalize_scope: dp``); None keeps it per micro-batch.
     """
     seq_values = mismatch_seq_metrics(stats)
     token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
@@ -317,16 +321,19 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     if seq_weight is None:
         sum_w = (stats[:, COL["sum_token_weight"]] * seq_keep).sum()
         sum_w_sq = (stats[:, COL["sum_token_weight_sq"]] * seq_keep).sum()
-        mean_w = sum_w / n_pass.sum().clamp(min=1)  # over kept tokens
+        mean_parts = torch.stack([sum_w, n_pass.sum()])  # over kept tokens
         max_w = torch.where(seq_keep, stats[:, COL["max_token_weight"]], -1.0).amax()
         min_w = torch.where(seq_keep, stats[:, COL["min_token_weight"]], _NO_TOKEN).amin()
     else:
         trained_seq = n_pass > 0
         sum_w = (n_pass * seq_weight).sum()
         sum_w_sq = (n_pass * seq_weight.square()).sum()
-        mean_w = (seq_weight * trained_seq).sum() / trained_seq.sum().clamp(min=1)  # over trained sequences
+        mean_parts = torch.stack([(seq_weight * trained_seq).sum(), trained_seq.sum()])  # over trained sequences
         max_w = torch.where(trained_seq, seq_weight, -1.0).amax()
         min_w = torch.where(trained_seq, seq_weight, _NO_TOKEN).amin()
+    if reduce_normalizer is not None:
+        mean_parts = reduce_normalizer(mean_parts)
+    mean_w = mean_parts[0] / mean_parts[1].clamp(min=1)
     if config.tis_batch_normalize:
         factor = torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, torch.ones_like(mean_w))
     else:

@@ -1,12 +1,14 @@
 """The miles adapter: the entry points a miles host loads with ``--custom-tis-function-path``.
 
 This is the only layer that sees argparse Namespaces and per-sequence lists; it validates them,
-packs them into one ``PackedBatch`` and hands over to the pure core. The host contract is in
-docs/contract.md (a copy of the shared contract).
+packs this rank's tokens into one ``PackedBatch``, runs the pure core, and exchanges the
+per-sequence table over the context-parallel group (one collective, ``miles_mis.distributed``).
+The host contract is in docs/contract.md; the CP layout in docs/cp.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +16,15 @@ from torch import Tensor
 
 from . import core, distributed
 from .config import MisConfig
+from .layout import zigzag_layout
+
+
+class InputError(ValueError):
+    """Invalid host input; ``sequence_index`` is the first bad sequence (-1 when not about one)."""
+
+    def __init__(self, message: str, sequence_index: int = -1):
+        super().__init__(message)
+        self.sequence_index = sequence_index
 
 
 def compute_mis_weights_with_cp(
@@ -36,11 +47,9 @@ def compute_mis_weights_with_cp(
     """
     config = MisConfig.from_args(args)
     cp = distributed.resolve_cp_group(parallel_state)
-    if cp.size > 1:
-        raise NotImplementedError(
-            f"context parallel size {cp.size} is not supported by this version of miles_mis "
-            "(cp size 1 only); run with --context-parallel-size 1")
-    return _apply(config, pg_loss, train_log_probs, rollout_log_probs, loss_masks, response_lengths, total_lengths)
+    qkv_format = getattr(args, "qkv_format", None) or "thd"
+    return _run(config, cp, _dp_group(config, parallel_state), qkv_format, pg_loss, train_log_probs,
+                rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens)
 
 
 def compute_mis_weights_fsdp(
@@ -54,8 +63,9 @@ def compute_mis_weights_fsdp(
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """Entry point for hosts without context parallelism (miles' FSDP backend): full sequences."""
     config = MisConfig.from_args(args)
-    return _apply(config, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
-                  kwargs.get("response_lengths"), kwargs.get("total_lengths"))
+    return _run(config, distributed.SINGLE, _dp_group(config, kwargs.get("parallel_state")), "thd", pg_loss,
+                train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
+                kwargs.get("response_lengths"), None)
 
 
 def compute_mis_weights(
@@ -71,96 +81,177 @@ def compute_mis_weights(
     name -> list of per-sequence tensors). ``args`` may be a Namespace or a ``MisConfig``.
     """
     config = MisConfig.from_args(args)
-    batch, lengths = pack_full_sequences(train_log_probs, rollout_log_probs, loss_masks)
-    correction = _correct(batch, config)
-    split = lambda flat: list(flat.split_with_sizes(lengths))  # noqa: E731
+    packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks)
+    batch = packed.batch
+    terms = core.token_terms(batch, config)
+    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms), config)
+    split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
-    masks = list(_output_masks(batch, correction).split_with_sizes(lengths))
-    return weights, masks, {name: split(value) for name, value in correction.metrics.items()}
+    return weights, split(_full_masks(packed, correction)), {k: split(v) for k, v in correction.metrics.items()}
 
 
-# --------------------------------------------------------------------------- internals
-def _apply(config: MisConfig, pg_loss: Tensor, train_log_probs, rollout_log_probs, loss_masks,
-           response_lengths, total_lengths) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
-    batch, lengths = pack_full_sequences(train_log_probs, rollout_log_probs, loss_masks,
-                                         response_lengths=response_lengths, total_lengths=total_lengths)
-    if pg_loss.dim() != 1 or pg_loss.numel() != batch.train_log_probs.numel():
-        raise ValueError(f"pg_loss has shape {tuple(pg_loss.shape)} but the {len(lengths)} sequences hold "
-                         f"{batch.train_log_probs.numel()} local tokens: expected shape "
-                         f"({batch.train_log_probs.numel()},)")
-    correction = _correct(batch, config)
+# --------------------------------------------------------------------------- the call
+def _dp_group(config: MisConfig, parallel_state: Any) -> distributed.Group:
+    if config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp":
+        return distributed.resolve_dp_group(parallel_state)
+    return distributed.SINGLE
+
+
+def _run(config: MisConfig, cp: distributed.Group, dp: distributed.Group, qkv_format: str, pg_loss: Tensor,
+         train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens):
+    local_error = None
+    try:
+        packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
+                                response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp,
+                                qkv_format=qkv_format)
+        if pg_loss.dim() != 1 or pg_loss.numel() != packed.batch.train_log_probs.numel():
+            raise InputError(f"pg_loss has shape {tuple(pg_loss.shape)} but the {packed.batch.num_seqs} sequences "
+                             f"hold {packed.batch.train_log_probs.numel()} local tokens: expected shape "
+                             f"({packed.batch.train_log_probs.numel()},)")
+    except InputError as error:
+        if cp.size == 1:
+            raise
+        local_error, packed = error, None  # still join the collective, so every rank raises instead of hanging
+
+    if packed is not None:
+        batch = packed.batch
+        terms = core.token_terms(batch, config)
+        stats = core.local_seq_stats(batch, terms)
+    if cp.size > 1:
+        num_seqs = len(loss_masks) if packed is None else batch.num_seqs
+        local = stats if packed is not None else torch.zeros(num_seqs, core.NUM_COLUMNS)
+        lengths = packed.length_table if packed is not None else torch.zeros(num_seqs, 3)
+        stats = core.combine_seq_stats(distributed.exchange_seq_stats(local, lengths, cp, local_error)).float()
+    reduce = None if dp.size == 1 else (lambda parts: distributed.all_reduce_sum(parts, dp))
+    correction = core.finalize(batch, terms, stats, config, reduce_normalizer=reduce)
+
     if correction.weights is not None:
         weighted = pg_loss * correction.weights.to(pg_loss.dtype)
         # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
         pg_loss = torch.where(correction.token_keep > 0, weighted, torch.zeros_like(weighted))
-    masks = list(_output_masks(batch, correction).split_with_sizes(lengths))  # (torch.split is slow on lists)
+    masks = list(_full_masks(packed, correction).split_with_sizes(packed.response_lengths))
     return pg_loss, masks, correction.metrics
 
 
-def _output_masks(batch: core.PackedBatch, correction: core.Correction) -> Tensor:
-    """Flat modified masks in the input masks' dtype; in metrics-only mode the input values unchanged
-    (a new tensor: the concatenation made while packing)."""
+@dataclass(frozen=True)
+class PackedInputs:
+    batch: core.PackedBatch  # this rank's tokens
+    full_masks: Tensor  # [Σ response_lengths] the input masks concatenated (input dtype)
+    response_lengths: list[int]
+    local_positions: Tensor | None  # indices of the local tokens in full_masks; None = all, in order (cp 1)
+    length_table: Tensor | None  # [B, 3] response, total, span lengths, exchanged to check CP agreement
+
+
+def _full_masks(packed: PackedInputs, correction: core.Correction) -> Tensor:
+    """Flat full-length modified masks in the input dtype. Metrics-only: the input values unchanged (a
+    new tensor). Under CP, positions of other ranks carry this call's sequence-level decisions (their
+    token-level decisions stay on their owners, who are the only ranks that read those positions)."""
     if correction.weights is None:
-        return batch.loss_mask
-    return correction.token_keep.to(batch.loss_mask.dtype)
+        return packed.full_masks
+    if packed.local_positions is None:
+        return correction.token_keep.to(packed.full_masks.dtype)
+    seq_keep = correction.seq_keep.float().repeat_interleave(
+        torch.tensor(packed.response_lengths, device=packed.full_masks.device), output_size=packed.full_masks.numel())
+    full = core.indicator(torch.ne, packed.full_masks, 0).mul_(seq_keep)
+    return full.index_copy_(0, packed.local_positions, correction.token_keep).to(packed.full_masks.dtype)
 
 
-def _correct(batch: core.PackedBatch, config: MisConfig) -> core.Correction:
-    terms = core.token_terms(batch, config)
-    stats = core.combine_seq_stats(distributed.all_gather_table(core.local_seq_stats(batch, terms),
-                                                                distributed.SINGLE))
-    return core.finalize(batch, terms, stats, config)
+# --------------------------------------------------------------------------- validation and packing
+def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_lengths=None, response_lengths=None,
+                   max_seq_lens=None, cp: distributed.Group = distributed.SINGLE,
+                   qkv_format: str = "thd") -> PackedInputs:
+    """Validate the host's per-sequence lists and concatenate this rank's tokens.
 
-
-def pack_full_sequences(train_log_probs, rollout_log_probs, loss_masks, *, response_lengths=None,
-                        total_lengths=None) -> tuple[core.PackedBatch, list[int]]:
-    """Validate per-sequence lists of full (unsharded) responses and concatenate them."""
+    At CP size 1 the log-probs are whole responses; at CP size C > 1 they are this rank's zigzag
+    shards, whose lengths must match the layout computed from total/response lengths.
+    """
     if rollout_log_probs is None:
-        raise ValueError("rollout_log_probs is None: the host must return rollout log-probs from the engine "
+        raise InputError("rollout_log_probs is None: the host must return rollout log-probs from the engine "
                          "(miles: the rollout must keep per-token log-probs) to measure or correct the mismatch")
     if train_log_probs is None:
-        raise ValueError("train_log_probs is None: the host must pass the trainer's recomputed log-probs")
+        raise InputError("train_log_probs is None: the host must pass the trainer's recomputed log-probs")
     counts = {"train_log_probs": len(train_log_probs), "rollout_log_probs": len(rollout_log_probs),
               "loss_masks": len(loss_masks)}
-    for name, values in (("response_lengths", response_lengths), ("total_lengths", total_lengths)):
+    for name, values in (("response_lengths", response_lengths), ("total_lengths", total_lengths),
+                         ("max_seq_lens", max_seq_lens)):
         if values is not None:
             counts[name] = len(values)
     if len(set(counts.values())) > 1:
-        raise ValueError("inputs disagree on the number of sequences: "
+        raise InputError("inputs disagree on the number of sequences: "
                          + ", ".join(f"{name} has {n}" for name, n in counts.items()))
+    if cp.size > 1 and (total_lengths is None or response_lengths is None):
+        raise InputError("total_lengths and response_lengths are required with context parallel size > 1")
+
     # Cheap whole-list checks first (numel, not .shape, which is slow on views; 1-D is checked on the
     # concatenated result); the sequences are walked only to name the first bad one.
-    lengths = [t.numel() for t in train_log_probs]
+    local_lengths = [t.numel() for t in train_log_probs]
+    full_lengths = [m.numel() for m in loss_masks]
+    if response_lengths is not None and list(map(int, response_lengths)) != full_lengths:
+        i = next(i for i, (r, n) in enumerate(zip(response_lengths, full_lengths)) if int(r) != n)
+        raise InputError(f"sequence {i}: response_lengths[{i}]={int(response_lengths[i])} but loss_masks[{i}] has "
+                         f"{full_lengths[i]} elements (loss masks are full response length)", i)
+    if total_lengths is not None and response_lengths is not None:
+        short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if int(t) <= int(r) and int(r)]
+        if short:
+            i = short[0]
+            raise InputError(f"sequence {i}: total_lengths[{i}]={int(total_lengths[i])} must exceed "
+                             f"response_lengths[{i}]={int(response_lengths[i])} (the prompt has at least 1 token)", i)
+
+    layout = positions = length_table = None
+    if cp.size > 1:
+        spans = None
+        if qkv_format == "bshd":
+            if max_seq_lens is None:
+                raise InputError("max_seq_lens is required when qkv_format is 'bshd'")
+            spans = torch.tensor([int(x) for x in max_seq_lens], dtype=torch.long)
+            too_long = (spans < torch.tensor([int(t) for t in total_lengths])).nonzero()
+            if too_long.numel():
+                i = int(too_long[0])
+                raise InputError(f"sequence {i}: max_seq_lens[{i}]={int(max_seq_lens[i])} is smaller than "
+                                 f"total_lengths[{i}]={int(total_lengths[i])}", i)
+        totals = torch.tensor([int(t) for t in total_lengths], dtype=torch.long)
+        responses = torch.tensor(full_lengths, dtype=torch.long)
+        layout = zigzag_layout(totals, responses, cp.rank, cp.size, qkv_format, spans)
+        expected = layout.local_lengths.tolist()
+        if local_lengths != expected:
+            i = next(i for i, (n, e) in enumerate(zip(local_lengths, expected)) if n != e)
+            raise InputError(f"sequence {i}: train_log_probs has {local_lengths[i]} tokens on cp rank {cp.rank} of "
+                             f"{cp.size}, but the zigzag layout ({qkv_format}, total_length={int(totals[i])}, "
+                             f"response_length={full_lengths[i]}) gives this rank {expected[i]}", i)
+        length_table = torch.stack([responses, totals, totals if spans is None else spans], 1).double()
+    elif local_lengths != full_lengths:
+        i = next(i for i, (n, e) in enumerate(zip(local_lengths, full_lengths)) if n != e)
+        _raise_shape_error(i, train_log_probs, rollout_log_probs, loss_masks)
+
     flat = None
-    if lengths == [t.numel() for t in rollout_log_probs] == [m.numel() for m in loss_masks]:
+    if local_lengths == [t.numel() for t in rollout_log_probs]:
         try:
             flat = [torch.cat(list(seq)) if len(seq) else torch.zeros(0)
                     for seq in (train_log_probs, rollout_log_probs, loss_masks)]
         except RuntimeError:  # mixed dimensions
             flat = None
     if flat is None or any(f.ndim != 1 for f in flat):
-        _raise_first_shape_error(train_log_probs, rollout_log_probs, loss_masks)
-    if response_lengths is not None and list(map(int, response_lengths)) != lengths:
-        i = next(i for i, (r, n) in enumerate(zip(response_lengths, lengths)) if int(r) != n)
-        raise ValueError(f"sequence {i}: response_lengths[{i}]={int(response_lengths[i])} but its log-probs "
-                         f"have shape ({lengths[i]},)")
-    if total_lengths is not None and response_lengths is not None:
-        short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if int(t) < int(r)]
-        if short:
-            i = short[0]
-            raise ValueError(f"sequence {i}: total_lengths[{i}]={int(total_lengths[i])} is smaller than "
-                             f"response_lengths[{i}]={int(response_lengths[i])}")
-    train, rollout, masks = flat
+        bad = next((i for i, (a, b) in enumerate(zip(train_log_probs, rollout_log_probs))
+                    if a.shape != b.shape or a.ndim != 1), None)
+        if bad is None:
+            bad = next(i for i, m in enumerate(loss_masks) if m.ndim != 1)
+        _raise_shape_error(bad, train_log_probs, rollout_log_probs, loss_masks)
+    train, rollout, full_masks = flat
     device = train.device
-    batch = core.PackedBatch.from_flat(train, rollout.to(device), masks.to(device),  # nonzero = trained token
-                                       torch.tensor(lengths, dtype=torch.long, device=device))
-    return batch, lengths
+    full_masks = full_masks.to(device)
+    if layout is None:
+        local_mask = full_masks
+    else:
+        response_offsets = torch.cumsum(torch.tensor([0] + full_lengths[:-1], dtype=torch.long), 0)
+        positions = layout.positions(response_offsets).to(device)
+        local_mask = full_masks.index_select(0, positions)
+    batch = core.PackedBatch.from_flat(train, rollout.to(device), local_mask,
+                                       torch.tensor(local_lengths, dtype=torch.long, device=device))
+    return PackedInputs(batch, full_masks, full_lengths, positions, length_table)
 
 
-def _raise_first_shape_error(train_log_probs, rollout_log_probs, loss_masks) -> None:
-    for i, tensors in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
-        shapes = [tuple(t.shape) for t in tensors]
-        if len(shapes[0]) != 1 or len(set(shapes)) > 1:
-            raise ValueError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has "
-                             f"shape {shapes[1]}, loss_masks has shape {shapes[2]}; all must be the same 1-D shape")
-    raise ValueError("inputs are not lists of 1-D tensors")
+def _raise_shape_error(i: int, train_log_probs, rollout_log_probs, loss_masks) -> None:
+    shapes = [tuple(seq[i].shape) for seq in (train_log_probs, rollout_log_probs, loss_masks)]
+    raise InputError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has shape "
+                     f"{shapes[1]}, loss_masks has shape {shapes[2]}; the log-probs must be 1-D of equal length, "
+                     "and at context parallel size 1 as long as the mask", i)

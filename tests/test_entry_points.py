@@ -4,7 +4,6 @@ import argparse
 import importlib
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,15 +84,6 @@ def test_reduced_metrics_of_identical_engines_show_no_mismatch(repo_root):
     reduced = reduce_metrics(metrics, batch["loss_masks"])
     assert abs(reduced["mis_kl"]) < 1e-6 and abs(reduced["mis_k3_kl"]) < 1e-6
     assert reduced["mis_ess"] == pytest.approx(1.0) and reduced["mis_tis_weight_before_bound"] == pytest.approx(1.0)
-
-
-def test_cp_size_above_one_is_refused_clearly(repo_root):
-    ps = SimpleNamespace(cp=SimpleNamespace(rank=0, size=2, group=None))
-    with pytest.raises(NotImplementedError, match="context parallel size 2"):
-        miles_mis.compute_mis_weights_with_cp(host_args(repo_root), pg_loss=torch.zeros(1),
-                                              train_log_probs=[torch.zeros(1)], rollout_log_probs=[torch.zeros(1)],
-                                              loss_masks=[torch.ones(2)], total_lengths=[4], response_lengths=[2],
-                                              parallel_state=ps)
 
 
 def test_cli_check_config(repo_root, tmp_path):
