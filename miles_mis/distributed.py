@@ -105,10 +105,11 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, local_error: E
     else:
         table[1:num_seqs + 1, :stats.shape[1]] = stats
         table[1:num_seqs + 1, stats.shape[1]:width] = lengths
-    gathered = table.new_empty((cp.size, *table.shape))
+    gathered = table.new_empty((cp.size * table.shape[0], table.shape[1]))  # ranks concatenated along dim 0
     # all_gather_single is the new name (torch >= 2.13) of all_gather_into_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(gathered, table, group=cp.group)
+    gathered = gathered.view(cp.size, *table.shape)
 
     failed = (gathered[:, 0, 1] > 0).nonzero().flatten().tolist()
     if failed:

@@ -1,0 +1,148 @@
+"""Collectives and bytes per call under context parallelism: ours against gather-everything, in one run.
+
+Real gloo process groups on this machine (torch.multiprocessing spawn), cp = 2 and 4, B = 256 responses
+with lengths uniform in [T/4, T], T = 8192, prompts of 256 tokens, the default config.
+
+  ours      compute_mis_weights_with_cp: one all-gather of a [rows, 15] float64 table per rank
+  baseline  what miles' example does before its per-sequence loop: for every sequence, each of the two
+            log-prob tensors is zero-padded to the full response and all-reduced over the CP group
+            (2·B collectives of O(tokens) bytes), then the full-sequence computation runs on every rank
+
+Counts are of collective calls and of the bytes each rank hands to them (payload; a ring all-reduce
+moves about 2·(C−1)/C of its payload per rank, an all-gather (C−1)/C of its output).
+
+    python benchmarks/bench_cp.py [--num-seqs 256] [--max-len 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cp_harness import cp_state, shard, spawn  # noqa: E402
+
+from miles_mis import MisConfig, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis.layout import zigzag_layout  # noqa: E402
+
+CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
+
+
+def make_batch(num_seqs: int, max_len: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    responses = torch.randint(max_len // 4, max_len + 1, (num_seqs,), generator=gen).tolist()
+    total = sum(responses)
+    train = -torch.rand(total, generator=gen) * 2
+    rollout = train + 0.05 * torch.randn(total, generator=gen)
+    full = dict(train_log_probs=list(train.split_with_sizes(responses)),
+                rollout_log_probs=list(rollout.split_with_sizes(responses)),
+                loss_masks=[torch.ones(n) for n in responses], total_lengths=[n + 256 for n in responses],
+                response_lengths=responses, max_seq_lens=None)
+    return full, torch.ones(total)
+
+
+class Counter:
+    """Wraps the collectives both implementations use and counts calls and payload bytes."""
+
+    NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+
+    def __init__(self):
+        self.calls = 0
+        self.bytes = 0
+        self.originals = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                original = getattr(dist, name)
+                self.originals[name] = original
+
+                def wrapped(*args, _original=original, _name=name, **kwargs):
+                    tensor = args[1] if _name != "all_reduce" else args[0]
+                    self.calls += 1
+                    self.bytes += tensor.numel() * tensor.element_size()
+                    return _original(*args, **kwargs)
+
+                setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def gather_everything(kwargs, rank, size):
+    """The baseline: rebuild every full response on every rank, 2 all-reduces per sequence."""
+    totals = torch.tensor(kwargs["total_lengths"])
+    responses = torch.tensor(kwargs["response_lengths"])
+    layout = zigzag_layout(totals, responses, rank, size)
+    full = {}
+    for key in ("train_log_probs", "rollout_log_probs"):
+        gathered = []
+        for i, local in enumerate(kwargs[key]):
+            buffer = torch.zeros(int(responses[i]))
+            n0 = int(layout.len0[i])
+            s0, s1 = int(layout.start0[i]), int(layout.start1[i])
+            buffer[s0:s0 + n0] = local[:n0]
+            buffer[s1:s1 + local.numel() - n0] = local[n0:]
+            dist.all_reduce(buffer)
+            gathered.append(buffer)
+        full[key] = gathered
+    return full
+
+
+def worker(rank, size, num_seqs, max_len, results_path):
+    full, pg_loss = make_batch(num_seqs, max_len)
+    kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
+    args = SimpleNamespace(**CONFIG.to_dict(), qkv_format="thd")
+    runs = {}
+    for name, fn in (("ours", lambda: compute_mis_weights_with_cp(args, pg_loss=local_pg,
+                                                                   parallel_state=cp_state(rank, size), **kwargs)),
+                     ("baseline", lambda: gather_everything(kwargs, rank, size))):
+        fn()
+        with Counter() as counter:
+            fn()
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        runs[name] = (counter.calls, counter.bytes, statistics.median(times) * 1e3)
+    if rank == 0:
+        tokens = sum(full["response_lengths"])
+        line = [f"cp={size}", f"tokens={tokens}"]
+        for name, (calls, nbytes, ms) in runs.items():
+            line.append(f"{name}: {calls} collectives, {nbytes / 1e6:.3f} MB, {ms:.1f} ms")
+        ours, base = runs["ours"], runs["baseline"]
+        line.append(f"ratio baseline/ours: collectives {base[0] / ours[0]:.0f}x, bytes {base[1] / ours[1]:.0f}x, "
+                    f"time {base[2] / ours[2]:.1f}x")
+        Path(results_path).write_text(" | ".join(line))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=8192)
+    args = parser.parse_args()
+    print(f"B={args.num_seqs}, response lengths uniform in [{args.max_len // 4}, {args.max_len}], gloo on "
+          f"{torch.get_num_threads()}-thread CPU; per call, per rank")
+    import tempfile
+
+    for size in (2, 4):
+        with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+            spawn(worker, size, args.num_seqs, args.max_len, out.name, timeout=900)
+            print(Path(out.name).read_text())
+
+
+if __name__ == "__main__":
+    main()

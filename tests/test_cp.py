@@ -1,0 +1,196 @@
+"""Context parallel on real gloo process groups: every level x mode x RS x veto x normalise combination,
+thd and bshd, equals the cp = 1 result; disagreements between ranks raise on every rank.
+
+One spawn per CP size runs all of its cases (process start is the expensive part).
+"""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from cp_harness import assert_close, cp_state, host_mean, make_full_batch, shard, spawn
+
+from miles_mis import MisConfig, compute_mis_weights_with_cp
+
+LEVELS = ("token", "sequence", "geometric")
+BOUNDS = {"token": (0.8, 1.25), "sequence": (0.5, 2.0), "geometric": (0.93, 1.07)}
+
+
+def all_configs():
+    for tis_level, mode, (use_rs, rs_level), veto, normalize in itertools.product(
+            LEVELS, ("truncate", "clip", "mask", "icepop"),
+            [(False, "token"), (True, "token"), (True, "sequence"), (True, "geometric")], [None, 0.75], [False, True]):
+        yield MisConfig(use_tis=True, tis_level=tis_level, tis_mode=mode, use_rs=use_rs, rs_level=rs_level,
+                        tis_lower_bound=BOUNDS[tis_level][0], tis_upper_bound=BOUNDS[tis_level][1],
+                        rs_lower_bound=BOUNDS[rs_level][0], rs_upper_bound=BOUNDS[rs_level][1],
+                        rs_veto_threshold=veto, tis_batch_normalize=normalize)
+    yield MisConfig(use_tis=False, use_rs=True, rs_veto_threshold=1e-4)
+
+
+def check_case(rank, size, config, full, pg_loss, fmt, group=None, ps=None):
+    """This rank's shard result equals the cp = 1 result: loss, masks at owned positions, reduced metrics."""
+    args = SimpleNamespace(**config.to_dict(), qkv_format=fmt)
+    ref_loss, ref_masks, ref_metrics = compute_mis_weights_with_cp(args, pg_loss=pg_loss,
+                                                                   parallel_state=cp_state(0, 1), **full)
+    kwargs, local_pg, positions = shard(full, pg_loss, rank, size, fmt)
+    loss, masks, metrics = compute_mis_weights_with_cp(
+        args, pg_loss=local_pg, parallel_state=ps or cp_state(rank, size, group), **kwargs)
+    torch.testing.assert_close(loss, ref_loss[positions], rtol=1e-5, atol=1e-6)
+    full_mask, ref_full = torch.cat(masks), torch.cat(ref_masks)
+    assert torch.equal(full_mask[positions], ref_full[positions]), "owned positions of the modified masks"
+    # other ranks' positions carry the sequence-level decisions: never more than the input, never less than cp=1
+    assert bool((full_mask <= torch.cat(full["loss_masks"])).all()) and bool((full_mask >= ref_full).all())
+    if not (config.use_rs and config.rs_level == "token") and not (config.tis_level == "token"
+                                                                   and config.tis_mode == "mask"):
+        assert torch.equal(full_mask, ref_full), "without token-level rejection the masks are identical everywhere"
+    assert sorted(metrics) == sorted(ref_metrics)
+    for name in metrics:
+        assert metrics[name].shape == local_pg.shape, name
+        got = host_mean(metrics[name], full["loss_masks"], full["response_lengths"], positions, group)
+        want = host_mean(ref_metrics[name], full["loss_masks"], full["response_lengths"])
+        assert_close(name, got, want, tol=1e-5)
+
+
+def equality_worker(rank, size):
+    configs = list(all_configs())
+    for case, config in enumerate(configs):
+        fmt = "thd" if case % 2 == 0 else "bshd"
+        full, pg_loss = make_full_batch(seed=1000 * size + case, fmt=fmt)
+        check_case(rank, size, config, full, pg_loss, fmt)
+    # the all-zero-mask / NaN / long-sequence corners, once per format
+    for fmt in ("thd", "bshd"):
+        full, pg_loss = make_full_batch(seed=7, num_seqs=6, max_response=300, fmt=fmt)
+        full["loss_masks"][2] = torch.zeros_like(full["loss_masks"][2])
+        if full["response_lengths"][3]:
+            full["train_log_probs"][3][0] = float("nan")
+            full["loss_masks"][3][0] = 1.0
+        check_case(rank, size, MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
+                   full, pg_loss, fmt)
+
+
+def fault_worker(rank, size):
+    full, pg_loss = make_full_batch(seed=3, num_seqs=6)
+    config = SimpleNamespace(**MisConfig(use_tis=True).to_dict(), qkv_format="thd")
+    kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
+
+    def expect(message, **changes):
+        call = dict(kwargs, **changes)
+        with pytest.raises(ValueError, match=message):
+            compute_mis_weights_with_cp(config, pg_loss=call.pop("pg_loss", local_pg),
+                                        parallel_state=cp_state(rank, size), **call)
+
+    # ranks disagree on one sequence's total length: same collective, same error everywhere
+    totals = list(full["total_lengths"])
+    if rank == 1:
+        totals[4] += 2 * size * 50  # moves the layout: this rank's shard lengths may also no longer match
+    expect(r"sequence 4|rejected their inputs", total_lengths=totals)
+    # ranks disagree on the lengths of an empty response (both shards stay valid): caught by the length columns
+    empty = full["response_lengths"].index(0)
+    totals = list(full["total_lengths"])
+    totals[empty] += rank
+    expect(rf"sequence {empty}: context-parallel ranks disagree on its lengths \(cp rank 0: response_length=0, "
+           rf"total_length={full['total_lengths'][empty]}", total_lengths=totals)
+    # ranks disagree on the number of sequences
+    if rank == 1:
+        dropped = {k: (v[:-1] if isinstance(v, list) else v) for k, v in kwargs.items()}
+        dropped["pg_loss"] = local_pg[:local_pg.numel() - kwargs["train_log_probs"][-1].numel()]
+        expect("disagree on the number of sequences", **dropped)
+    else:
+        expect("disagree on the number of sequences")
+    # a rank whose shard has the wrong length: it names the sequence, the others name the rank
+    if rank == 0:
+        bad = list(kwargs["train_log_probs"])
+        bad[5] = torch.zeros(bad[5].numel() + 1)
+        rollout = list(kwargs["rollout_log_probs"])
+        rollout[5] = torch.zeros(rollout[5].numel() + 1)
+        expect(r"sequence 5: train_log_probs has \d+ tokens on cp rank 0", train_log_probs=bad,
+               rollout_log_probs=rollout, pg_loss=torch.zeros(local_pg.numel() + 1))
+    else:
+        expect(r"rank 0 at sequence 5")
+    # after all that, the group still works
+    check_case(rank, size, MisConfig(use_tis=True, tis_level="geometric", tis_mode="mask", tis_lower_bound=0.9,
+                                     tis_upper_bound=1.1), full, pg_loss, "thd")
+
+
+def count_collectives_worker(rank, size):
+    """Exactly one collective per call, whatever the batch size."""
+    calls = []
+    original = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+    def counting(output, tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(output, tensor, *args, **kwargs)
+
+    setattr(dist, name, counting)
+    try:
+        for num_seqs in (3, 40):
+            full, pg_loss = make_full_batch(seed=num_seqs, num_seqs=num_seqs)
+            kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
+            before = len(calls)
+            args = SimpleNamespace(**MisConfig(use_tis=True, use_rs=True, rs_level="geometric",
+                                               rs_veto_threshold=1e-4, tis_batch_normalize=True).to_dict())
+            compute_mis_weights_with_cp(args, pg_loss=local_pg, parallel_state=cp_state(rank, size), **kwargs)
+            assert len(calls) == before + 1
+    finally:
+        setattr(dist, name, original)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_cp_equals_cp1_for_every_combination(size):
+    spawn(equality_worker, size)
+
+
+def test_cp_faults_raise_on_every_rank_and_one_collective_per_call():
+    spawn(_faults_and_count, 2)
+
+
+def _faults_and_count(rank, size):
+    fault_worker(rank, size)
+    count_collectives_worker(rank, size)
+
+
+def megatron_worker(rank, world, use_kwarg):
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(context_parallel_size=2)
+    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    assert cp_size == 2 and mpu.get_data_parallel_world_size(with_context_parallel=False) == 2
+    group = mpu.get_context_parallel_group()
+    ps = SimpleNamespace(cp=SimpleNamespace(rank=cp_rank, size=cp_size, group=group),
+                         intra_dp=SimpleNamespace(rank=dp_rank, size=2,
+                                                  group=mpu.get_data_parallel_group(with_context_parallel=False)))
+    for case, config in enumerate([MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=0.75,
+                                             tis_batch_normalize=True),
+                                   MisConfig(use_tis=True, tis_level="geometric", tis_mode="mask",
+                                             tis_lower_bound=0.93, tis_upper_bound=1.07)]):
+        full, pg_loss = make_full_batch(seed=100 * dp_rank + case)  # each DP replica has its own data
+        check_case(cp_rank, cp_size, config, full, pg_loss, "thd", group=group, ps=ps if use_kwarg else None)
+
+    # tis_batch_normalize_scope: dp -> the factor of the two replicas' micro-batches together
+    replicas = [make_full_batch(seed=500 + r) for r in range(2)]
+    config = MisConfig(use_tis=True, tis_batch_normalize=True, tis_batch_normalize_scope="dp")
+    full, pg_loss = replicas[dp_rank]
+    kwargs, local_pg, positions = shard(full, pg_loss, cp_rank, cp_size, "thd")
+    args = SimpleNamespace(**config.to_dict(), qkv_format="thd")
+    loss, _, metrics = compute_mis_weights_with_cp(args, pg_loss=local_pg, parallel_state=ps if use_kwarg else None,
+                                                   **kwargs)
+    joined = {k: replicas[0][0][k] + replicas[1][0][k] for k in ("train_log_probs", "rollout_log_probs",
+                                                                   "loss_masks", "total_lengths", "response_lengths")}
+    joined_pg = torch.cat([replicas[0][1], replicas[1][1]])
+    ref_args = SimpleNamespace(**MisConfig(use_tis=True, tis_batch_normalize=True).to_dict(), qkv_format="thd")
+    ref_loss, _, ref_metrics = compute_mis_weights_with_cp(ref_args, pg_loss=joined_pg,
+                                                           parallel_state=cp_state(0, 1), **joined)
+    offset = 0 if dp_rank == 0 else replicas[0][1].numel()
+    torch.testing.assert_close(loss, ref_loss[offset + positions], rtol=1e-5, atol=1e-6)
+    assert abs(float(metrics["mis_batch_norm_factor"][0]) - float(ref_metrics["mis_batch_norm_factor"][0])) < 1e-6
+    mpu.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("use_kwarg", [True, False], ids=["parallel_state_kwarg", "megatron_fallback"])
+def test_megatron_core_groups_dp2_cp2(use_kwarg):
+    pytest.importorskip("megatron.core")
+    spawn(megatron_worker, 4, use_kwarg)
