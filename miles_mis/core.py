@@ -322,15 +322,15 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         sum_w = (stats[:, COL["sum_token_weight"]] * seq_keep).sum()
         sum_w_sq = (stats[:, COL["sum_token_weight_sq"]] * seq_keep).sum()
         mean_parts = torch.stack([sum_w, n_pass.sum()])  # over kept tokens
-        max_w = torch.where(seq_keep, stats[:, COL["max_token_weight"]], -1.0).amax()
-        min_w = torch.where(seq_keep, stats[:, COL["min_token_weight"]], _NO_TOKEN).amin()
+        max_w = _batch_extreme(stats[:, COL["max_token_weight"]], seq_keep, "amax", -1.0)
+        min_w = _batch_extreme(stats[:, COL["min_token_weight"]], seq_keep, "amin", _NO_TOKEN)
     else:
         trained_seq = n_pass > 0
         sum_w = (n_pass * seq_weight).sum()
         sum_w_sq = (n_pass * seq_weight.square()).sum()
         mean_parts = torch.stack([(seq_weight * trained_seq).sum(), trained_seq.sum()])  # over trained sequences
-        max_w = torch.where(trained_seq, seq_weight, -1.0).amax()
-        min_w = torch.where(trained_seq, seq_weight, _NO_TOKEN).amin()
+        max_w = _batch_extreme(seq_weight, trained_seq, "amax", -1.0)
+        min_w = _batch_extreme(seq_weight, trained_seq, "amin", _NO_TOKEN)
     if reduce_normalizer is not None:
         mean_parts = reduce_normalizer(mean_parts)
     mean_w = mean_parts[0] / mean_parts[1].clamp(min=1)
@@ -361,6 +361,12 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
     token_metrics.update({name: value.expand(weight.numel()).contiguous() for name, value in batch_values.items()})
     return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token))
+
+
+def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:
+    """Max/min of ``values`` over the selected sequences; ``empty`` when none is selected (or B = 0)."""
+    padded = torch.cat([values.new_full((1,), empty), torch.where(selected, values, empty)])
+    return padded.amax() if reduce == "amax" else padded.amin()
 
 
 _KEEP, _WEIGHT = "_seq_keep", "_seq_weight"  # internal columns of the broadcast table

@@ -170,3 +170,18 @@ def test_weights_are_detached_and_gradient_flows_through_pg_loss():
     assert train[0].grad is None
     torch.testing.assert_close(pg.grad, torch.tensor([math.exp(0.5), 1.0]))
     assert not any(v.requires_grad for v in metrics.values())
+
+
+def test_empty_batch():
+    loss, masks, metrics = compute_mis_weights_with_cp(FULL, pg_loss=torch.zeros(0), train_log_probs=[],
+                                                       rollout_log_probs=[], loss_masks=[], total_lengths=[],
+                                                       response_lengths=[])
+    assert loss.numel() == 0 and masks == []
+    assert all(v.numel() == 0 for v in metrics.values())
+
+
+def test_prompt_must_have_a_token():
+    with pytest.raises(ValueError, match=r"sequence 0: total_lengths\[0\]=2 must exceed response_lengths\[0\]=2"):
+        compute_mis_weights_with_cp(FULL, pg_loss=torch.zeros(2), train_log_probs=[torch.zeros(2)],
+                                    rollout_log_probs=[torch.zeros(2)], loss_masks=[torch.ones(2)],
+                                    total_lengths=[2], response_lengths=[2])

@@ -90,3 +90,9 @@ def test_from_args_unknown_tis_attribute_suggests():
 def test_from_args_passes_a_config_through():
     cfg = MisConfig(use_tis=True)
     assert MisConfig.from_args(cfg) is cfg
+
+
+def test_normalize_scope():
+    assert MisConfig().tis_batch_normalize_scope == "micro_batch"
+    with pytest.raises(ValueError, match="tis_batch_normalize_scope='global'.*micro_batch, dp"):
+        MisConfig(tis_batch_normalize_scope="global")
