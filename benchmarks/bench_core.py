@@ -35,7 +35,7 @@ CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token
 CLAMP = 20.0
 
 
-def make_inputs(num_seqs: int, max_len: int, seed: int = 0):
+def make_inputs(num_seqs: int, max_len: int, seed: int = 0, prompt_len: int = 128):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max_len // 4, max_len + 1, (num_seqs,), generator=gen).tolist()
     total = sum(lengths)
@@ -44,7 +44,7 @@ def make_inputs(num_seqs: int, max_len: int, seed: int = 0):
     return dict(train_log_probs=list(torch.split(train, lengths)),
                 rollout_log_probs=list(torch.split(rollout, lengths)),
                 loss_masks=[torch.ones(n) for n in lengths], response_lengths=lengths,
-                total_lengths=[n + 128 for n in lengths])
+                total_lengths=[n + prompt_len for n in lengths])
 
 
 def ours(inputs, pg_loss):

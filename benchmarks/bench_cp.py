@@ -29,25 +29,15 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_core import make_inputs  # noqa: E402
 from cp_harness import cp_state, shard, spawn  # noqa: E402
 
 from miles_mis import MisConfig, compute_mis_weights_with_cp  # noqa: E402
 from miles_mis.layout import zigzag_layout  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
-
-
-def make_batch(num_seqs: int, max_len: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    responses = torch.randint(max_len // 4, max_len + 1, (num_seqs,), generator=gen).tolist()
-    total = sum(responses)
-    train = -torch.rand(total, generator=gen) * 2
-    rollout = train + 0.05 * torch.randn(total, generator=gen)
-    full = dict(train_log_probs=list(train.split_with_sizes(responses)),
-                rollout_log_probs=list(rollout.split_with_sizes(responses)),
-                loss_masks=[torch.ones(n) for n in responses], total_lengths=[n + 256 for n in responses],
-                response_lengths=responses, max_seq_lens=None)
-    return full, torch.ones(total)
 
 
 class Counter:
@@ -101,7 +91,8 @@ def gather_everything(kwargs, rank, size):
 
 
 def worker(rank, size, num_seqs, max_len, results_path):
-    full, pg_loss = make_batch(num_seqs, max_len)
+    full = dict(make_inputs(num_seqs, max_len, prompt_len=256), max_seq_lens=None)
+    pg_loss = torch.ones(sum(full["response_lengths"]))
     kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
     args = SimpleNamespace(**CONFIG.to_dict(), qkv_format="thd")
     runs = {}

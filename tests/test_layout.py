@@ -5,17 +5,9 @@ import random
 import pytest
 import torch
 
+from cp_harness import local_positions as reference_positions
+
 from miles_mis.layout import ranges, zigzag_layout
-
-
-def reference_positions(total: int, response: int, rank: int, cp: int, span: int) -> list[int]:
-    """Response-relative positions rank `rank` holds, straight from the contract's wording."""
-    chunk = -(-span // (2 * cp))
-    first, end = total - response - 1, total - 1
-    out = []
-    for k in (rank, 2 * cp - 1 - rank):
-        out += [p - first for p in range(max(k * chunk, first), min((k + 1) * chunk, end))]
-    return out
 
 
 def layout_positions(totals, responses, rank, cp, fmt="thd", spans=None):
