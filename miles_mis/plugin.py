@@ -186,16 +186,18 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
     # concatenated result); the sequences are walked only to name the first bad one.
     local_lengths = [t.numel() for t in train_log_probs]
     full_lengths = [m.numel() for m in loss_masks]
-    if response_lengths is not None and list(map(int, response_lengths)) != full_lengths:
-        i = next(i for i, (r, n) in enumerate(zip(response_lengths, full_lengths)) if int(r) != n)
-        raise InputError(f"sequence {i}: response_lengths[{i}]={int(response_lengths[i])} but loss_masks[{i}] has "
+    response_lengths = _int_list(response_lengths)
+    total_lengths = _int_list(total_lengths)
+    if response_lengths is not None and response_lengths != full_lengths:
+        i = next(i for i, (r, n) in enumerate(zip(response_lengths, full_lengths)) if r != n)
+        raise InputError(f"sequence {i}: response_lengths[{i}]={response_lengths[i]} but loss_masks[{i}] has "
                          f"{full_lengths[i]} elements (loss masks are full response length)", i)
     if total_lengths is not None and response_lengths is not None:
-        short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if int(t) <= int(r) and int(r)]
+        short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if t <= r and r]
         if short:
             i = short[0]
-            raise InputError(f"sequence {i}: total_lengths[{i}]={int(total_lengths[i])} must exceed "
-                             f"response_lengths[{i}]={int(response_lengths[i])} (the prompt has at least 1 token)", i)
+            raise InputError(f"sequence {i}: total_lengths[{i}]={total_lengths[i]} must exceed "
+                             f"response_lengths[{i}]={response_lengths[i]} (the prompt has at least 1 token)", i)
 
     layout = positions = length_table = None
     if cp.size > 1:
@@ -203,13 +205,13 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         if qkv_format == "bshd":
             if max_seq_lens is None:
                 raise InputError("max_seq_lens is required when qkv_format is 'bshd'")
-            spans = torch.tensor([int(x) for x in max_seq_lens], dtype=torch.long)
-            too_long = (spans < torch.tensor([int(t) for t in total_lengths])).nonzero()
+            spans = torch.tensor(_int_list(max_seq_lens), dtype=torch.long)
+            too_long = (spans < torch.tensor(total_lengths)).nonzero()
             if too_long.numel():
                 i = int(too_long[0])
                 raise InputError(f"sequence {i}: max_seq_lens[{i}]={int(max_seq_lens[i])} is smaller than "
                                  f"total_lengths[{i}]={int(total_lengths[i])}", i)
-        totals = torch.tensor([int(t) for t in total_lengths], dtype=torch.long)
+        totals = torch.tensor(total_lengths, dtype=torch.long)
         responses = torch.tensor(full_lengths, dtype=torch.long)
         layout = zigzag_layout(totals, responses, cp.rank, cp.size, qkv_format, spans)
         expected = layout.local_lengths.tolist()
@@ -248,6 +250,16 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
     batch = core.PackedBatch.from_flat(train, rollout.to(device), local_mask,
                                        torch.tensor(local_lengths, dtype=torch.long, device=device))
     return PackedInputs(batch, full_masks, full_lengths, positions, length_table)
+
+
+def _int_list(values) -> list[int] | None:
+    """Host lengths as a list of Python ints (they may arrive as a list, a tuple or a tensor)."""
+    if values is None:
+        return None
+    if isinstance(values, Tensor):
+        return [int(v) for v in values.tolist()]
+    values = list(values)
+    return values if all(type(v) is int for v in values) else [int(v) for v in values]
 
 
 def _raise_shape_error(i: int, train_log_probs, rollout_log_probs, loss_masks) -> None:
