@@ -1,0 +1,304 @@
+"""The reference host: a small policy-loss layer and flag parser that behaves like miles' policy loss.
+
+It runs the four algorithms of docs/algorithms.md with the flags miles users type, and calls a
+correction plugin exactly as the contract says (keyword arguments, local CP shards, full masks):
+
+| flags                        | algorithm                 | π_old in the ratio         | IS weight           |
+|------------------------------|---------------------------|----------------------------|---------------------|
+| (none)                       | standard PPO              | trainer recompute          | none                |
+| --use-rollout-logprobs       | bypass PPO                | rollout log-probs          | none                |
+| --use-tis                    | decoupled 3-policy PPO    | trainer recompute          | π_old/π_rollout     |
+| --loss-type reinforce + one  | REINFORCE + IS            | (no ratio, no clipping)    | see below           |
+  of the two above
+
+Returned values follow miles: `loss` and every metric are sums over this rank's sequences of the
+per-sequence masked token mean (token sums with --calculate-per-token-loss); under context
+parallelism they are this rank's partial sums (the trainer's gradient all-reduce adds the ranks).
+Divide by the number of sequences (tokens) for a mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .core import indicator
+from .layout import zigzag_layout
+
+LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------- flags
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the host's flags (miles spellings) to ``parser`` (a new one if None)."""
+    parser = parser or argparse.ArgumentParser(description="miles_mis reference host flags")
+    group = parser.add_argument_group("policy loss (miles flags)")
+    group.add_argument("--use-tis", action="store_true", default=False,
+                       help="decoupled 3-policy PPO: multiply the loss by the IS weight π_old/π_rollout")
+    group.add_argument("--use-rollout-logprobs", action="store_true", default=False,
+                       help="bypass PPO: use the rollout log-probs as π_old (no trainer recompute)")
+    group.add_argument("--get-mismatch-metrics", action="store_true", default=False,
+                       help="call the custom correction function for its metrics only")
+    group.add_argument("--custom-tis-function-path", default=None,
+                       help="correction function: pkg.module.func or path/to/file.py:func")
+    group.add_argument("--custom-config-path", default=None,
+                       help="YAML file whose top-level keys are set on the parsed args")
+    group.add_argument("--tis-clip", type=float, default=2.0, help="built-in vanilla TIS upper bound")
+    group.add_argument("--tis-clip-low", type=float, default=0.0, help="built-in vanilla TIS lower bound")
+    group.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range below 1")
+    group.add_argument("--eps-clip-high", type=float, default=None, help="PPO clip range above 1 (default eps-clip)")
+    group.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant (> 1) for A < 0")
+    group.add_argument("--calculate-per-token-loss", action="store_true", default=False,
+                       help="sum over tokens instead of the mean of per-sequence means")
+    group.add_argument("--loss-type", choices=("ppo", "reinforce"), default="ppo")
+    group.add_argument("--use-opsm", action="store_true", default=False,
+                       help="off-policy sequence masking (DeepSeek-V3.2)")
+    group.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold δ on the sequence KL")
+    group.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse the flags, merge ``--custom-config-path`` (its keys override flags), then validate.
+
+    miles and slime validate before merging the YAML, so a YAML can enable use_tis together with
+    use_rollout_logprobs there; here every check sees the merged values.
+    """
+    args = build_parser(parser).parse_args(argv)
+    merge_config_file(args)
+    validate_args(args)
+    return args
+
+
+def merge_config_file(args: argparse.Namespace) -> None:
+    if not args.custom_config_path:
+        return
+    import yaml
+
+    values = yaml.safe_load(Path(args.custom_config_path).read_text()) or {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"--custom-config-path {args.custom_config_path}: expected a mapping of keys")
+    for key, value in values.items():
+        setattr(args, key, value)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Flag combinations; each error names the flags involved."""
+    if getattr(args, "use_tis", False) and getattr(args, "use_rollout_logprobs", False):
+        raise ValueError("--use-tis and --use-rollout-logprobs are mutually exclusive: decoupled PPO needs the "
+                         "trainer's recomputed log-probs as π_old, bypass PPO replaces them by the rollout's "
+                         "(check --custom-config-path too: its use_tis/use_rollout_logprobs keys count)")
+    if getattr(args, "get_mismatch_metrics", False) and not getattr(args, "custom_tis_function_path", None):
+        raise ValueError("--get-mismatch-metrics needs --custom-tis-function-path (e.g. "
+                         "miles_mis.compute_mis_weights_with_cp): the built-in TIS has no mismatch metrics")
+    if getattr(args, "loss_type", "ppo") == "reinforce" and not (args.use_tis or args.use_rollout_logprobs):
+        raise ValueError("--loss-type reinforce needs --use-tis or --use-rollout-logprobs: REINFORCE + IS weights "
+                         "each token by an importance ratio against the rollout log-probs")
+    if getattr(args, "eps_clip_c", None) is not None and args.eps_clip_c <= 1.0:
+        raise ValueError(f"--eps-clip-c={args.eps_clip_c} is invalid: the dual-clip constant must be > 1")
+    if getattr(args, "use_opsm", False) and args.opsm_delta < 0:
+        raise ValueError(f"--opsm-delta={args.opsm_delta} is invalid with --use-opsm: allowed values are >= 0")
+    if args.tis_clip_low >= args.tis_clip:
+        raise ValueError(f"--tis-clip-low={args.tis_clip_low} must be smaller than --tis-clip={args.tis_clip}")
+    if getattr(args, "custom_tis_function_path", None):
+        function = load_function(args.custom_tis_function_path)  # fail at start-up, not at the first step
+        if getattr(function, "__module__", "").startswith("miles_mis"):
+            from .config import MisConfig
+
+            MisConfig.from_args(args)  # the plugin's own config errors, early
+
+
+def load_function(path: str) -> Callable:
+    """``pkg.module.func`` (import + getattr, as miles) or ``path/to/file.py:func``."""
+    if ":" in path:
+        file_path, _, name = path.rpartition(":")
+        spec = importlib.util.spec_from_file_location(Path(file_path).stem, file_path)
+        if spec is None or spec.loader is None or not Path(file_path).is_file():
+            raise ValueError(f"--custom-tis-function-path {path!r}: no Python file at {file_path!r}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module_name, _, name = path.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"--custom-tis-function-path {path!r}: cannot import {module_name!r} ({error})") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--custom-tis-function-path {path!r}: {name!r} is not a function of that module")
+    return function
+
+
+# --------------------------------------------------------------------------- loss pieces
+def ppo_clip_loss(ppo_kl: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float,
+                  eps_clip_c: float | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token clipped PPO loss. r = exp(clamp(−ppo_kl)) = π_θ/π_old:
+
+    L = max(−r·A, −clip(r, 1−ε, 1+ε_high)·A); with dual clip (A < 0): L = min(L, −c·A).
+    Returns (loss, clipped indicator).
+    """
+    ratio = (-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
+    return loss, clipfrac
+
+
+def vanilla_tis(args: argparse.Namespace, *, pg_loss: Tensor, train_log_probs: list[Tensor],
+                rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **kwargs: Any):
+    """The built-in TIS (no custom path): w = clamp(exp(π_old − π_rollout), tis_clip_low, tis_clip)."""
+    log_ratio = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    weight = ratio.clamp(args.tis_clip_low, args.tis_clip)
+    metrics = {"tis": ratio, "tis_clipfrac": (weight != ratio).float(), "tis_abs": (ratio - 1.0).abs()}
+    return pg_loss * weight, list(loss_masks), metrics
+
+
+class Reducer:
+    """miles' ``sum_of_sample_mean`` over this rank's tokens: Σ_seq Σ_local x·m / n_seq, n_seq the
+    ORIGINAL per-sequence count (token sum with per-token loss). ``masks`` (full length) give the
+    numerator; under CP each rank takes its own positions of them."""
+
+    def __init__(self, masks: Sequence[Tensor], denominators: Tensor, seq_index: Tensor,
+                 positions: Tensor | None, per_token: bool):
+        full = torch.cat(list(masks)).float() if len(masks) else torch.zeros(0)
+        self.mask = full if positions is None else full.index_select(0, positions)
+        self.seq_index = seq_index
+        self.scale = (1.0 / denominators.clamp(min=1.0)) if not per_token else torch.ones_like(denominators)
+
+    def __call__(self, values: Tensor) -> Tensor:
+        per_seq = torch.zeros(self.scale.shape, dtype=values.dtype, device=values.device)
+        per_seq = per_seq.index_add(0, self.seq_index, values * self.mask.to(values.dtype))
+        return (per_seq * self.scale.to(values.dtype)).sum()
+
+
+# --------------------------------------------------------------------------- the policy loss
+def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: Sequence[Tensor],
+                parallel_state: Any = None) -> tuple[Tensor, dict[str, Any]]:
+    """Policy loss of one micro-batch, as miles computes it (entropy and KL-loss terms off).
+
+    ``log_probs``: the current policy's log-probs (with grad), this rank's CP shards. ``batch`` keys:
+    ``advantages`` (local shards), ``log_probs`` (π_old, local; may be absent in bypass),
+    ``rollout_log_probs`` (local), ``loss_masks`` (FULL length), ``response_lengths``,
+    ``total_lengths``, optional ``max_seq_lens``.
+    """
+    cp = distributed.resolve_cp_group(parallel_state)
+    response_lengths = [int(n) for n in batch["response_lengths"]]
+    total_lengths = [int(n) for n in batch["total_lengths"]]
+    loss_masks = list(batch["loss_masks"])
+    max_seq_lens = batch.get("max_seq_lens")
+    local_lengths = [t.numel() for t in log_probs]
+
+    # this rank's positions in the full masks (None at cp 1) and each local token's sequence
+    positions = None
+    if cp.size > 1:
+        layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), cp.rank, cp.size,
+                               args.qkv_format, None if max_seq_lens is None else torch.tensor(max_seq_lens))
+        if layout.local_lengths.tolist() != local_lengths:
+            raise ValueError(f"log_probs shard lengths {local_lengths} do not match the zigzag layout "
+                             f"{layout.local_lengths.tolist()} of cp rank {cp.rank} of {cp.size}")
+        offsets = torch.cumsum(torch.tensor([0] + response_lengths[:-1]), 0)
+        positions = layout.positions(offsets)
+    elif local_lengths != response_lengths:
+        raise ValueError(f"log_probs lengths {local_lengths} differ from response_lengths {response_lengths}")
+    seq_index = torch.repeat_interleave(torch.arange(len(local_lengths)), torch.tensor(local_lengths, dtype=torch.long))
+    full_mask = torch.cat(loss_masks).float() if loss_masks else torch.zeros(0)
+    active = full_mask if positions is None else full_mask.index_select(0, positions)
+    denominators = torch.stack([m.float().sum() for m in loss_masks]) if loss_masks else torch.zeros(0)
+    reduce = Reducer(loss_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
+
+    rollout = batch.get("rollout_log_probs")
+    rollout = None if rollout is None else [t.detach().float() for t in rollout]
+    if (args.use_rollout_logprobs or args.use_tis or args.loss_type == "reinforce") and rollout is None:
+        raise ValueError("batch has no rollout_log_probs, but --use-rollout-logprobs, --use-tis or "
+                         "--loss-type reinforce needs the rollout engine's log-probs")
+    recomputed = None if batch.get("log_probs") is None else [t.detach().float() for t in batch["log_probs"]]
+    if args.use_rollout_logprobs:
+        old = rollout
+    elif recomputed is None:
+        raise ValueError("batch has no log_probs (π_old recomputed by the trainer): pass them, or use "
+                         "--use-rollout-logprobs to use the rollout log-probs instead")
+    else:
+        old = recomputed
+    # what the plugin and the train/rollout metric compare with the rollout: the trainer's log-probs when
+    # it computed them (in bypass too), else π_old itself
+    trainer_scored = recomputed if recomputed is not None else old
+
+    current = torch.cat(list(log_probs)).float() if log_probs else torch.zeros(0, requires_grad=True)
+    old_flat = torch.cat(old) if old else torch.zeros(0)
+    # as miles: NaN/inf advantages and log-ratios on trained tokens become 0, untrained tokens are 0
+    advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
+    advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
+    ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
+
+    metrics: dict[str, Any] = {}
+    if args.loss_type == "ppo":
+        eps_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high
+        pg_loss, pg_clipfrac = ppo_clip_loss(ppo_kl, advantages, args.eps_clip, eps_high, args.eps_clip_c)
+    else:
+        pg_loss = -advantages * torch.nan_to_num(current, nan=0.0, posinf=0.0, neginf=0.0)
+        pg_clipfrac = torch.zeros_like(pg_loss)
+        if args.use_rollout_logprobs:  # bypass: w = π_θ/π_rollout, detached, within the built-in TIS bounds
+            log_ratio = (current.detach() - torch.cat(rollout)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            pg_loss = pg_loss * log_ratio.exp().clamp(args.tis_clip_low, args.tis_clip)
+
+    if args.use_opsm:
+        keep = opsm_keep(old if rollout is None else rollout, list(log_probs), batch["advantages"], loss_masks,
+                         seq_index, positions, args.opsm_delta, cp)
+        pg_loss = pg_loss * keep.index_select(0, seq_index)
+        metrics["opsm_fraction"] = float(1.0 - keep.mean()) if keep.numel() else 0.0
+
+    reduce_loss = reduce
+    if args.use_tis or args.get_mismatch_metrics:
+        function = load_function(args.custom_tis_function_path) if args.custom_tis_function_path else vanilla_tis
+        pg_loss, modified_masks, tis_metrics = function(
+            args=args, pg_loss=pg_loss, train_log_probs=trainer_scored, rollout_log_probs=rollout,
+            loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
+            parallel_state=parallel_state, max_seq_lens=max_seq_lens)
+        # modified masks rebuild the numerator only; denominators stay the original counts
+        reduce_loss = Reducer(modified_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
+        metrics["ois"] = reduce((-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()).detach()
+        for name, value in tis_metrics.items():
+            metrics[name] = reduce(value.float()).detach()  # with the ORIGINAL masks
+
+    loss = reduce_loss(pg_loss)
+    metrics.update(loss=loss.detach(), pg_loss=loss.detach(), pg_clipfrac=reduce(pg_clipfrac).detach(),
+                   ppo_kl=reduce(ppo_kl).detach())
+    if rollout is not None and log_probs:
+        abs_diff = torch.cat(trainer_scored) - torch.cat(rollout)
+        abs_diff = torch.nan_to_num(abs_diff.abs(), nan=0.0, posinf=0.0, neginf=0.0)
+        metrics["train_rollout_logprob_abs_diff"] = reduce(abs_diff * active).detach()
+    if current.numel() == 0 and log_probs:  # keep the graph connected for an empty shard
+        loss = loss + 0.0 * sum(t.sum() for t in log_probs)
+    return loss, metrics
+
+
+def opsm_keep(behaviour: Sequence[Tensor], log_probs: Sequence[Tensor], advantages: Sequence[Tensor],
+              loss_masks: Sequence[Tensor], seq_index: Tensor, positions: Tensor | None, delta: float,
+              cp: distributed.Group) -> Tensor:
+    """Off-policy sequence masking, decided per sequence: keep = 0 when the sequence's mean advantage
+    over its valid tokens is negative AND mean_t (log π_behaviour − log π_θ) > δ over its valid tokens.
+    π_behaviour is the rollout policy when its log-probs are given. Sums cross CP ranks (one all-reduce)."""
+    full_mask = torch.cat(list(loss_masks)).float() if loss_masks else torch.zeros(0)
+    mask = full_mask if positions is None else full_mask.index_select(0, positions)
+    num_seqs = len(loss_masks)
+    gap = torch.cat(list(behaviour)) - torch.cat([t.detach().float() for t in log_probs]) if num_seqs else mask
+    adv = torch.cat([a.detach().float() for a in advantages]) if num_seqs else mask
+    gap = torch.nan_to_num(gap, nan=0.0, posinf=0.0, neginf=0.0) * mask
+    adv = torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0) * mask
+    sums = torch.zeros(num_seqs, 3, dtype=torch.float64)
+    sums.index_add_(0, seq_index, torch.stack([gap, adv, mask], 1).double())
+    sums = distributed.all_reduce_sum(sums, cp)
+    count = sums[:, 2].clamp(min=1.0)
+    reject = (sums[:, 1] / count < 0) & (sums[:, 0] / count > delta)
+    return indicator(torch.eq, reject.double(), 0.0)

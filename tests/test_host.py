@@ -1,0 +1,231 @@
+"""The reference host: flags, the four algorithms' gradients, equivalences, plugin loading, OPSM."""
+
+import math
+
+import pytest
+import torch
+
+from miles_mis import host
+
+PLUGIN = "miles_mis.compute_mis_weights_with_cp"
+
+
+def args_for(*flags, config=None, repo_root=None):
+    argv = list(flags)
+    if config:
+        argv += ["--custom-config-path", str(repo_root / "configs" / config)]
+    return host.parse_args(argv)
+
+
+def make_batch(log_ratios_old, log_ratios_rollout, advantages, masks=None, seed=0):
+    """Current log-probs (leaf tensors with grad), π_old = current − old_gap, rollout = current − rollout_gap."""
+    gen = torch.Generator().manual_seed(seed)
+    current = [(-torch.rand(len(a), generator=gen) - 0.5).requires_grad_() for a in advantages]
+    batch = dict(
+        advantages=[torch.tensor(a, dtype=torch.float32) for a in advantages],
+        log_probs=[c.detach() - torch.tensor(g) for c, g in zip(current, log_ratios_old)],
+        rollout_log_probs=[c.detach() - torch.tensor(g) for c, g in zip(current, log_ratios_rollout)],
+        loss_masks=[torch.ones(len(a)) if masks is None else torch.tensor(m, dtype=torch.float32)
+                    for a, m in zip(advantages, masks or advantages)],
+        response_lengths=[len(a) for a in advantages], total_lengths=[len(a) + 3 for a in advantages])
+    return batch, current
+
+
+def grads(args, batch, current):
+    loss, metrics = host.policy_loss(args, batch, current)
+    for c in current:
+        c.grad = None
+    loss.backward()
+    return loss, metrics, [c.grad.clone() for c in current]
+
+
+# ---------------------------------------------------------------- PPO gradient by hand
+# one sequence of 5 tokens, n = 5; r = π_θ/π_old = exp(gap); eps 0.2
+GAPS = [math.log(1.1), math.log(1.5), math.log(0.5), math.log(1.5), math.log(0.9)]
+ADVS = [1.0, 1.0, -1.0, -1.0, -2.0]
+
+
+def expected_ppo_grad(ratios, advantages, n, eps=0.2, dual=None):
+    out = []
+    for r, a in zip(ratios, advantages):
+        unclipped, clipped = -r * a, -min(max(r, 1 - eps), 1 + eps) * a
+        grad = -r * a if unclipped >= clipped else 0.0  # d/dlogπ of −r·A is −r·A
+        if dual is not None and a < 0 and -dual * a < max(unclipped, clipped):
+            grad = 0.0
+        out.append(grad / n)
+    return out
+
+
+def test_standard_ppo_gradient_matches_analytic():
+    batch, current = make_batch([GAPS], [[0.0] * 5], [ADVS])
+    loss, metrics, (grad,) = grads(host.parse_args([]), batch, current)
+    ratios = [math.exp(g) for g in GAPS]
+    torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5)))
+    expected_loss = sum(max(-r * a, -min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, ADVS)) / 5
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)  # tokens 1 (r=1.5, A>0) and 2 (r=0.5, A<0)
+    assert metrics["ppo_kl"].item() == pytest.approx(-sum(GAPS) / 5, rel=1e-5)
+
+
+def test_dual_clip_and_asymmetric_clip_gradients():
+    batch, current = make_batch([GAPS], [[0.0] * 5], [ADVS])
+    _, _, (grad,) = grads(host.parse_args(["--eps-clip-c", "1.3"]), batch, current)
+    ratios = [math.exp(g) for g in GAPS]
+    torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5, dual=1.3)))
+    _, _, (grad,) = grads(host.parse_args(["--eps-clip-high", "0.6"]), batch, current)
+    # with 1 + ε_high = 1.6, token 1 (r = 1.5, A > 0) is no longer clipped
+    assert grad[1].item() == pytest.approx(-1.5 / 5, rel=1e-5)
+
+
+def test_bypass_uses_rollout_log_probs_and_equals_standard_when_old_is_rollout():
+    batch, current = make_batch([[0.0] * 5], [GAPS], [ADVS])
+    _, _, (grad,) = grads(host.parse_args(["--use-rollout-logprobs"]), batch, current)
+    ratios = [math.exp(g) for g in GAPS]  # π_θ/π_rollout
+    torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5)))
+    same, current2 = make_batch([GAPS], [GAPS], [ADVS])
+    loss_std, _, g_std = grads(host.parse_args([]), same, current2)
+    loss_byp, _, g_byp = grads(host.parse_args(["--use-rollout-logprobs"]), same, current2)
+    assert loss_std.item() == pytest.approx(loss_byp.item())
+    torch.testing.assert_close(g_std, g_byp)
+
+
+def test_decoupled_gradient_is_weighted_ppo_gradient(repo_root):
+    # π_old/π_rollout per token = exp(rollout_gap − old_gap); token_tis.yaml truncates at 2
+    old_gaps = [0.0] * 5
+    rollout_gaps = [0.3, -0.2, 1.0, 0.0, -1.5]
+    batch, current = make_batch([old_gaps], [rollout_gaps], [ADVS])
+    args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="token_tis.yaml", repo_root=repo_root)
+    loss, metrics, (grad,) = grads(args, batch, current)
+    weights = [min(math.exp(r - o), 2.0) for r, o in zip(rollout_gaps, old_gaps)]
+    base = expected_ppo_grad([1.0] * 5, ADVS, 5)
+    torch.testing.assert_close(grad, torch.tensor([w * b for w, b in zip(weights, base)]))
+    assert metrics["ois"].item() == pytest.approx(1.0)
+    assert metrics["mis_tis_truncate_fraction"].item() == pytest.approx(1 / 5)
+
+
+def test_decoupled_equals_standard_when_old_is_rollout(repo_root):
+    batch, current = make_batch([GAPS], [GAPS], [ADVS])
+    loss_std, m_std, g_std = grads(host.parse_args([]), batch, current)
+    args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="mis.yaml", repo_root=repo_root)
+    loss_dec, m_dec, g_dec = grads(args, batch, current)
+    assert loss_std.item() == pytest.approx(loss_dec.item(), rel=1e-6)
+    torch.testing.assert_close(g_std, g_dec)
+    for name in ("pg_clipfrac", "ppo_kl"):
+        assert m_std[name].item() == pytest.approx(m_dec[name].item())
+
+
+def test_reinforce_with_is_gradient(repo_root):
+    rollout_gaps = [0.3, -0.2, 1.0, 0.0, -1.5]
+    batch, current = make_batch([[0.0] * 5], [rollout_gaps], [ADVS])
+    args = args_for("--loss-type", "reinforce", "--use-tis", "--custom-tis-function-path", PLUGIN,
+                    config="token_tis.yaml", repo_root=repo_root)
+    loss, metrics, (grad,) = grads(args, batch, current)
+    weights = [min(math.exp(r), 2.0) for r in rollout_gaps]
+    torch.testing.assert_close(grad, torch.tensor([-a * w / 5 for a, w in zip(ADVS, weights)]))
+    expected = sum(-a * lp * w for a, lp, w in zip(ADVS, current[0].tolist(), weights)) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["pg_clipfrac"].item() == 0.0
+    # bypass REINFORCE: w = π_θ/π_rollout within the built-in bounds [tis_clip_low, tis_clip], no PPO clipping
+    _, _, (grad,) = grads(host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"]), batch, current)
+    weights = [min(math.exp(r), 2.0) for r in rollout_gaps]
+    torch.testing.assert_close(grad, torch.tensor([-a * w / 5 for a, w in zip(ADVS, weights)]))
+
+
+def test_builtin_vanilla_tis_and_metrics():
+    batch, current = make_batch([[0.0, 0.0]], [[math.log(3.0), -0.5]], [[1.0, 1.0]])
+    loss, metrics, (grad,) = grads(host.parse_args(["--use-tis"]), batch, current)
+    # w = clamp(π_old/π_rollout, 0, 2) = [2, e^-0.5]; standard-PPO gradient at r = 1 is −A/n
+    torch.testing.assert_close(grad, torch.tensor([-2.0 / 2, -math.exp(-0.5) / 2]))
+    assert metrics["tis"].item() == pytest.approx((3.0 + math.exp(-0.5)) / 2, rel=1e-5)
+    assert metrics["tis_clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["tis_abs"].item() == pytest.approx((2.0 + 1 - math.exp(-0.5)) / 2, rel=1e-5)
+
+
+def test_rejection_rebuilds_numerator_but_keeps_original_denominator(repo_root):
+    # seq_mis: sequence 0 has a product ratio π_old/π_rollout = exp(−2) < 0.5 -> rejected (its loss is 0), and
+    # sequence 1 keeps its own per-sequence mean (denominator = its original count)
+    batch, current = make_batch([[0.0] * 3, [0.0] * 2], [[-1.0, -0.5, -0.5], [0.1, -0.1]], [[1.0] * 3, [1.0] * 2])
+    args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="seq_mis.yaml", repo_root=repo_root)
+    loss, metrics, (g0, g1) = grads(args, batch, current)
+    assert g0.abs().sum() == 0
+    torch.testing.assert_close(g1, torch.tensor([-1.0 / 2, -1.0 / 2]))
+    assert loss.item() == pytest.approx(-1.0, rel=1e-6)  # Σ_seq mean: 0 + (−1·1·1)
+    assert metrics["mis_tis_mask_fraction_low"].item() == pytest.approx(1.0)  # Σ over sequences: 1 + 0
+
+
+def test_per_token_loss_sums_tokens():
+    batch, current = make_batch([[0.0] * 3, [0.0] * 2], [[0.0] * 3, [0.0] * 2], [[1.0] * 3, [2.0] * 2])
+    loss, _, (g0, g1) = grads(host.parse_args(["--calculate-per-token-loss"]), batch, current)
+    assert loss.item() == pytest.approx(-(3 * 1.0 + 2 * 2.0))
+    torch.testing.assert_close(g1, torch.tensor([-2.0, -2.0]))
+
+
+def test_nan_advantages_are_zeroed():
+    batch, current = make_batch([[0.0] * 3], [[0.0] * 3], [[1.0, float("nan"), float("inf")]])
+    loss, metrics, (grad,) = grads(host.parse_args([]), batch, current)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, torch.tensor([-1.0 / 3, 0.0, 0.0]))
+
+
+def test_plugin_by_dotted_path_and_by_file_path_agree(tmp_path, repo_root):
+    plugin_file = tmp_path / "my_correction.py"
+    plugin_file.write_text("from miles_mis import compute_mis_weights_with_cp\n")
+    batch, current = make_batch([[0.1, -0.2, 0.0]], [[0.4, 0.3, -0.9]], [[1.0, -1.0, 0.5]])
+    results = []
+    for path in (PLUGIN, f"{plugin_file}:compute_mis_weights_with_cp"):
+        args = args_for("--use-tis", "--custom-tis-function-path", path, config="mis.yaml", repo_root=repo_root)
+        loss, metrics, g = grads(args, batch, current)
+        results.append((loss.item(), {k: float(v) for k, v in metrics.items()}, g))
+    assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
+    torch.testing.assert_close(results[0][2], results[1][2])
+
+
+def test_opsm_decides_per_sequence_against_rollout_log_probs():
+    # gaps: behaviour − current log-prob. Rollout gaps: seq0 mean 0.2 (> δ, A < 0: rejected), seq1 mean −0.1
+    # (A < 0, kept), seq2 mean 0.5 (A > 0, kept). The recomputed π_old would tell the opposite for seq0/seq1.
+    # (make_batch takes current − behaviour: the negated gaps)
+    batch, current = make_batch([[0.1, 0.1], [-0.1, -0.1], [0.0]], [[-0.1, -0.3], [0.1, 0.1], [-0.5]],
+                                [[-1.0, -1.0], [-1.0, -1.0], [1.0]])
+    args = host.parse_args(["--use-opsm", "--opsm-delta", "0.05"])
+    loss, metrics, (g0, g1, g2) = grads(args, batch, current)
+    assert metrics["opsm_fraction"] == pytest.approx(1 / 3)
+    assert g0.abs().sum() == 0 and g1.abs().sum() > 0 and g2.abs().sum() > 0
+
+
+def test_train_rollout_logprob_abs_diff():
+    batch, current = make_batch([[0.0, 0.0]], [[0.2, -0.4]], [[1.0, 1.0]])
+    _, metrics = host.policy_loss(host.parse_args([]), batch, current)
+    assert metrics["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.3, rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--use-tis", "--use-rollout-logprobs"], ["--use-tis", "--use-rollout-logprobs", "mutually exclusive"]),
+    (["--get-mismatch-metrics"], ["--get-mismatch-metrics", "--custom-tis-function-path"]),
+    (["--loss-type", "reinforce"], ["--loss-type reinforce", "--use-tis", "--use-rollout-logprobs"]),
+    (["--eps-clip-c", "0.9"], ["--eps-clip-c", "> 1"]),
+    (["--use-tis", "--custom-tis-function-path", "miles_mis.no_such_function"], ["no_such_function"]),
+    (["--use-tis", "--custom-tis-function-path", "no/such/file.py:f"], ["no Python file"]),
+])
+def test_flag_validation(argv, words):
+    with pytest.raises(ValueError) as info:
+        host.parse_args(argv)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_yaml_is_merged_before_validation(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("use_tis: true\n")
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        host.parse_args(["--use-rollout-logprobs", "--custom-config-path", str(config)])
+    config.write_text("tis_mode: trunc\n")
+    with pytest.raises(ValueError, match="did you mean 'truncate'"):
+        host.parse_args(["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)])
+
+
+def test_reinforce_bypass_is_allowed_and_needs_rollout_log_probs():
+    args = host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"])
+    batch, current = make_batch([[0.0]], [[0.0]], [[1.0]])
+    batch["rollout_log_probs"] = None
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        host.policy_loss(args, batch, current)
