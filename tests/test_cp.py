@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from cp_harness import assert_close, cp_state, host_mean, make_full_batch, shard, spawn
+from cp_harness import assert_close, cp_state, host_mean, local_positions, make_full_batch, shard, spawn
 
 from miles_mis import MisConfig, compute_mis_weights_with_cp
 
@@ -150,6 +150,47 @@ def test_cp_faults_raise_on_every_rank_and_one_collective_per_call():
 def _faults_and_count(rank, size):
     fault_worker(rank, size)
     count_collectives_worker(rank, size)
+    host_worker(rank, size)
+
+
+def host_worker(rank, size):
+    """The reference host under CP: local losses summed over ranks and local gradients equal cp = 1."""
+    from miles_mis import host
+
+    full, _ = make_full_batch(seed=11, num_seqs=7)
+    gen = torch.Generator().manual_seed(5)
+    advantages = [torch.full((n,), float(torch.randn(1, generator=gen))) for n in full["response_lengths"]]
+    current_full = [t + 0.05 * torch.randn(t.shape, generator=gen) for t in full["train_log_probs"]]
+    for argv in (["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+                  "--use-opsm", "--opsm-delta", "0.0"], ["--loss-type", "reinforce", "--use-rollout-logprobs"]):
+        args = host.parse_args(argv)
+        args.use_rs, args.rs_level, args.rs_veto_threshold, args.tis_batch_normalize = True, "geometric", 0.5, True
+        args.rs_lower_bound, args.rs_upper_bound = 0.95, 1.05
+
+        def run(ps, pick):
+            current = [pick(i, t).clone().requires_grad_() for i, t in enumerate(current_full)]
+            batch = dict(full, advantages=[pick(i, a) for i, a in enumerate(advantages)],
+                         log_probs=[pick(i, t) for i, t in enumerate(full["train_log_probs"])],
+                         rollout_log_probs=[pick(i, t) for i, t in enumerate(full["rollout_log_probs"])])
+            loss, metrics = host.policy_loss(args, batch, current, parallel_state=ps)
+            loss.backward()
+            return loss.detach(), metrics, [c.grad for c in current]
+
+        ref_loss, ref_metrics, ref_grads = run(cp_state(0, 1), lambda i, t: t)
+        spans = full["total_lengths"]
+        owned = [torch.tensor(local_positions(spans[i], n, rank, size, spans[i]), dtype=torch.long)
+                 for i, n in enumerate(full["response_lengths"])]
+        loss, metrics, grads = run(cp_state(rank, size), lambda i, t: t[owned[i]])
+        dist.all_reduce(loss)
+        assert abs(float(loss) - float(ref_loss)) < 1e-5 * max(1.0, abs(float(ref_loss))), (argv, loss, ref_loss)
+        for i, g in enumerate(grads):
+            torch.testing.assert_close(g, ref_grads[i][owned[i]], rtol=1e-5, atol=1e-7)
+        for name in ("ppo_kl", "pg_clipfrac", "ois", "mis_kl", "opsm_fraction"):
+            if name in metrics:
+                value = torch.tensor(float(metrics[name]), dtype=torch.float64)
+                if name != "opsm_fraction":  # a per-batch fraction, identical on every rank
+                    dist.all_reduce(value)
+                assert abs(float(value) - float(ref_metrics[name])) < 1e-5, (name, value, ref_metrics[name])
 
 
 def megatron_worker(rank, world, use_kwarg):
