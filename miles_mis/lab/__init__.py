@@ -1,0 +1,9 @@
+"""The mismatch lab: a real GRPO run on a CPU where the rollout engine and the trainer disagree.
+
+- ``model``: a tiny decoder-only transformer; the trainer's fp32 full-sequence forward.
+- ``engine``: the rollout engine: a separate incremental (KV-cache) decoder with its own copy of the
+  weights, in bf16/fp16/fp32, optionally int8-quantised at every sync, synced every K steps.
+- ``task``: a verifiable toy task (sort digits) and its reward.
+- ``train``: the GRPO loop around the reference host's policy loss (``miles-mis train``).
+- ``demo``: four algorithms on one seed and one mismatch setting (``miles-mis demo``).
+"""

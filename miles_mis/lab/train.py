@@ -1,0 +1,277 @@
+"""``miles-mis train``: GRPO on the sort-digits task, with a rollout engine that disagrees with the trainer.
+
+One step: the engine samples ``--group-size`` responses for each of ``--prompts-per-step`` prompts and
+returns their log-probs; the trainer (fp32) recomputes π_old; rewards give GRPO group advantages; then
+``--num-minibatches`` optimizer steps run the reference host's policy loss (``miles_mis.host``) with
+the plugin loaded through ``--custom-tis-function-path`` / ``--custom-config-path`` exactly as miles
+would. Under ``torchrun ... --context-parallel-size C`` every rank runs the whole model, but the log-probs
+handed to the host and plugin are this rank's zigzag shards and the gradients are summed over the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import host
+from ..layout import zigzag_layout
+from . import task
+from .engine import RolloutEngine
+from .model import ModelConfig, TinyGPT, sequence_log_probs
+
+PLUGIN = "miles_mis.compute_mis_weights_with_cp"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    host.build_parser(parser)
+    lab = parser.add_argument_group("lab")
+    lab.add_argument("--steps", type=int, default=60)
+    lab.add_argument("--seed", type=int, default=0)
+    lab.add_argument("--lr", type=float, default=1e-3)
+    lab.add_argument("--prompts-per-step", type=int, default=16)
+    lab.add_argument("--group-size", type=int, default=8)
+    lab.add_argument("--num-minibatches", type=int, default=2, help="optimizer steps per rollout batch")
+    lab.add_argument("--num-digits", type=int, default=6)
+    lab.add_argument("--sft-steps", type=int, default=30,
+                     help="supervised warm start before RL (the 'pretrained model'); 0 = RL from scratch")
+    lab.add_argument("--grad-clip", type=float, default=1.0)
+    lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    lab.add_argument("--rollout-weight-quant", choices=("none", "int8"), default="none")
+    lab.add_argument("--rollout-staleness", type=int, default=1, help="engine weights synced every K steps")
+    lab.add_argument("--rollout-temperature", type=float, default=1.0)
+    lab.add_argument("--rollout-logit-noise", type=float, default=0.0,
+                     help="SYNTHETIC Gaussian noise (std) added to the engine's logits, for stress tests")
+    lab.add_argument("--context-parallel-size", type=int, default=1, help="run under torchrun with this many ranks")
+    lab.add_argument("--out-dir", type=Path, default=Path("runs/lab"))
+    lab.add_argument("--save-interval", type=int, default=20, help="checkpoint every N steps (0 = never)")
+    lab.add_argument("--resume", action="store_true", help="continue from out-dir/checkpoint.pt")
+    lab.add_argument("--wandb-project", default=None, help="also log to W&B (WANDB_MODE=offline works)")
+    lab.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    host.merge_config_file(args)
+    host.validate_args(args)
+    if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
+        raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
+    return args
+
+
+# --------------------------------------------------------------------------- pieces
+def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3) -> None:
+    """Teacher-forced cross-entropy on the task: the 'pretrained model' RL starts from."""
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        prompts = task.make_prompts(64, num_digits, generator)
+        sequences = torch.stack([torch.cat([p, task.target(p)]) for p in prompts])
+        logits = model(sequences[:, :-1])
+        start = prompts.shape[1] - 1
+        loss = torch.nn.functional.cross_entropy(logits[:, start:].reshape(-1, logits.shape[-1]),
+                                                 sequences[:, start + 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO: (r − mean of the group) / (std of the group + 1e-6)."""
+    grouped = rewards.view(-1, group_size)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+
+
+class CPContext:
+    """This process's place in the context-parallel group (size 1 without torchrun)."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.state = size, 0, None
+        if size > 1:
+            import torch.distributed as dist
+            from types import SimpleNamespace
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+            if dist.get_world_size() != size:
+                raise ValueError(f"--context-parallel-size {size} needs torchrun with {size} processes, got "
+                                 f"{dist.get_world_size()}")
+            self.rank = dist.get_rank()
+            self.state = SimpleNamespace(cp=SimpleNamespace(rank=self.rank, size=size, group=None))
+
+    def shard(self, values: list[torch.Tensor], total_lengths: list[int], response_lengths: list[int]):
+        """This rank's zigzag parts of per-sequence response tensors (identity at size 1)."""
+        if self.size == 1:
+            return values
+        layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), self.rank, self.size)
+        out = []
+        for i, v in enumerate(values):
+            s0, n0, s1, n1 = (int(layout.start0[i]), int(layout.len0[i]), int(layout.start1[i]),
+                              int(layout.len1[i]))
+            out.append(torch.cat([v[s0:s0 + n0], v[s1:s1 + n1]]))
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor)
+        return tensor
+
+
+def _scalar(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
+# --------------------------------------------------------------------------- the run
+def train(args: argparse.Namespace) -> list[dict]:
+    """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl)."""
+    cp = CPContext(args.context_parallel_size)
+    torch.manual_seed(args.seed)
+    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4))
+    out_dir = Path(args.out_dir)
+    if args.sft_steps and not args.resume:
+        warm_start(model, args.sft_steps, args.num_digits, args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    engine = RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
+                           args.rollout_logit_noise, seed=args.seed + 1)
+    prompt_generator = torch.Generator().manual_seed(args.seed + 2)
+    history: list[dict] = []
+    start_step = 0
+    checkpoint_path = out_dir / "checkpoint.pt"
+    writer = cp.rank == 0
+    if args.resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        engine.load_state_dict(state["engine"])
+        prompt_generator.set_state(state["prompts"])
+        torch.set_rng_state(state["torch"])
+        history, start_step = state["history"], state["step"]
+    elif args.resume:
+        raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
+    wandb_run = _wandb(args, out_dir) if writer else None
+
+    for step in range(start_step, args.steps):
+        started = time.perf_counter()
+        if step % args.rollout_staleness == 0:
+            engine.sync(model)
+        prompts = task.make_prompts(args.prompts_per_step, args.num_digits, prompt_generator)
+        prompts = prompts.repeat_interleave(args.group_size, dim=0)
+        responses, rollout_log_probs = engine.generate(prompts, args.num_digits + 2)
+        rewards = torch.tensor([task.reward(p, r) for p, r in zip(prompts, responses)])
+        advantages = group_advantages(rewards, args.group_size)
+        prompt_len = prompts.shape[1]
+        sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+        response_lengths = [r.numel() for r in responses]
+        total_lengths = [s.numel() for s in sequences]
+        with torch.no_grad():
+            old_log_probs = sequence_log_probs(model, sequences, [prompt_len] * len(sequences),
+                                               args.rollout_temperature)
+        # raw mismatch of this batch (every algorithm): π_old (trainer) against π_rollout
+        raw = torch.cat([o - r for o, r in zip(old_log_probs, rollout_log_probs)])
+        ratio = raw.clamp(-20, 20).exp()
+        row: dict[str, float] = {
+            "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "exact_match": float((rewards == 1.0).float().mean()),
+            "response_length": sum(response_lengths) / len(response_lengths),
+            "raw_kl": float(-raw.mean()), "raw_ess": float(ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())),
+        }
+
+        order = torch.randperm(len(sequences))
+        minibatches = order.chunk(args.num_minibatches)
+        sums: dict[str, float] = {}
+        for indices in minibatches:
+            idx = indices.tolist()
+            seqs = [sequences[i] for i in idx]
+            totals = [total_lengths[i] for i in idx]
+            resp = [response_lengths[i] for i in idx]
+            current_full = sequence_log_probs(model, seqs, [prompt_len] * len(seqs), args.rollout_temperature)
+            shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
+            batch = {
+                "advantages": shard([torch.full((resp[k],), float(advantages[i])) for k, i in enumerate(idx)]),
+                "log_probs": shard([old_log_probs[i] for i in idx]),
+                "rollout_log_probs": shard([rollout_log_probs[i] for i in idx]),
+                "loss_masks": [torch.ones(n) for n in resp],
+                "response_lengths": resp, "total_lengths": totals,
+            }
+            loss, metrics = host.policy_loss(args, batch, shard(current_full), parallel_state=cp.state)
+            optimizer.zero_grad()
+            (loss / len(idx)).backward()  # the host returns a sum over sequences
+            for p in model.parameters():
+                if p.grad is not None:
+                    cp.all_reduce(p.grad)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            values = torch.tensor([_scalar(v) for v in metrics.values()], dtype=torch.float64)
+            if cp.size > 1:  # per-batch fractions are the same on every rank; the rest are partial sums
+                partial = torch.tensor([k != "opsm_fraction" for k in metrics], dtype=torch.float64)
+                values = cp.all_reduce(values * partial) + values * (1 - partial)
+            for name, value in zip(metrics, values.tolist()):
+                scale = 1.0 if name == "opsm_fraction" else 1.0 / len(idx)
+                sums[name] = sums.get(name, 0.0) + value * scale / len(minibatches)
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / len(minibatches)
+        row.update(sums)
+        row["seconds"] = time.perf_counter() - started
+        if not all(math.isfinite(v) for v in row.values()):
+            raise FloatingPointError(f"step {step + 1}: non-finite metrics {row}")
+        history.append(row)
+        if writer:
+            with open(out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if wandb_run is not None:
+                wandb_run.log(row, step=step + 1)
+            if not args.quiet:
+                _progress(step + 1, args.steps, row)
+            if args.save_interval and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "engine": engine.state_dict(), "prompts": prompt_generator.get_state(),
+                            "torch": torch.get_rng_state(), "history": history, "step": step + 1},
+                           checkpoint_path)
+    if writer and not args.quiet:
+        print(file=sys.stderr)
+    if wandb_run is not None:
+        wandb_run.finish()
+    return history
+
+
+def _progress(step: int, steps: int, row: dict) -> None:
+    width = 30
+    filled = int(width * step / max(steps, 1))
+    kl = row.get("mis_kl", row["raw_kl"])
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} reward {row['reward']:.3f} "
+          f"mis_kl {kl:.2e} grad {row['grad_norm']:.2f}", end="", file=sys.stderr, flush=True)
+
+
+def _wandb(args: argparse.Namespace, out_dir: Path):
+    if not args.wandb_project:
+        return None
+    try:
+        import wandb
+    except ImportError as error:
+        raise ValueError("--wandb-project needs the wandb package: pip install 'miles-mis[wandb]'") from error
+    return wandb.init(project=args.wandb_project, dir=str(out_dir), config={k: str(v) for k, v in vars(args).items()},
+                      name=out_dir.name, resume="allow")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
