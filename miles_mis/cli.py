@@ -1,7 +1,9 @@
 """The ``miles-mis`` command.
 
+  miles-mis demo                            the mismatch lab: four algorithms, one seed, one engine setting
+  miles-mis train [flags]                   one lab run (miles' host flags plus the lab's)
   miles-mis check-config FILE [--use-tis]   print the effective config (defaults filled in) or the error
-  miles-mis demo [--configs-dir DIR]        run the plugin on a shipped example batch with every config
+  miles-mis plugin-demo [--configs-dir DIR] run the plugin on a shipped example batch with every config
                                             in configs/ and print the host-reduced metrics side by side
 """
 
@@ -54,7 +56,7 @@ def _yaml_value(value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def demo(configs_dir: Path) -> int:
+def plugin_demo(configs_dir: Path) -> int:
     from .example_batch import make_example_batch
     from .plugin import compute_mis_weights_with_cp
     from .reporting import format_table, reduce_metrics
@@ -86,19 +88,39 @@ def demo(configs_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # the lab commands own their flags (miles' host flags included): hand them over untouched
+    if argv and argv[0] in ("train", "demo"):
+        if argv[0] == "train":
+            from .lab.train import main as train_main
+
+            return _run_lab(train_main, argv[1:])
+        from .lab.demo import main as demo_main
+
+        return _run_lab(demo_main, argv[1:])
     parser = argparse.ArgumentParser(prog="miles-mis", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="the mismatch lab demo (miles-mis demo --help)")
+    sub.add_parser("train", help="one lab run (miles-mis train --help)")
     check = sub.add_parser("check-config", help="print the effective config of a YAML file, or its error")
     check.add_argument("file")
     check.add_argument("--use-tis", action="store_true", default=None,
                        help="as if the host passed --use-tis (when the file does not set use_tis)")
-    demo_parser = sub.add_parser("demo", help="run the plugin on a shipped example batch with every config")
+    demo_parser = sub.add_parser("plugin-demo", help="run the plugin on a shipped example batch with every config")
     demo_parser.add_argument("--configs-dir", type=Path, default=_default_configs_dir())
     args = parser.parse_args(argv)
     if args.command == "check-config":
         return check_config(args.file, args.use_tis)
-    return demo(args.configs_dir)
+    return plugin_demo(args.configs_dir)
+
+
+def _run_lab(entry, argv: list[str]) -> int:
+    try:
+        return entry(argv)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def test_cli_check_config(repo_root, tmp_path):
     assert err.returncode == 1 and "did you mean 'truncate'" in err.stderr
 
 
-def test_cli_demo_prints_every_config(repo_root):
-    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "demo"], capture_output=True, text=True)
+def test_cli_plugin_demo_prints_every_config(repo_root):
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "plugin-demo"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     header = out.stdout.splitlines()[2]
     for name in ("mis", "token_tis", "seq_mis", "geo_rs", "icepop", "metrics_only"):

@@ -1,0 +1,123 @@
+"""The mismatch lab: short real runs per algorithm, the engine's mismatch, demo files, resume, torchrun cp=2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cp_harness import free_port
+
+from miles_mis.lab import task
+from miles_mis.lab.demo import ALGORITHMS, run_algorithm
+from miles_mis.lab.engine import RolloutEngine, quantize_int8
+from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
+from miles_mis.lab.train import group_advantages, parse_args, train
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def lab(tmp_path, *flags, steps=3, name="run"):
+    argv = [*flags, "--steps", str(steps), "--out-dir", str(tmp_path / name), "--quiet", "--prompts-per-step", "4",
+            "--sft-steps", "10"]
+    return train(parse_args(argv))
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_short_run_per_algorithm_is_finite(tmp_path, name):
+    history = run_algorithm(name, ["--rollout-dtype", "bf16"], seed=0, steps=3, out_dir=tmp_path / name,
+                            extra=["--prompts-per-step", "4", "--sft-steps", "10"])
+    assert len(history) == 3 and len(read(tmp_path / name / "metrics.jsonl")) == 3
+    for row in history:
+        assert all(v == v and abs(v) != float("inf") for v in row.values())
+        assert 0.0 <= row["reward"] <= 1.0 and "mis_kl" in row and "loss" in row
+
+
+def test_same_dtype_fresh_weights_has_no_mismatch_and_bf16_or_staleness_does(tmp_path):
+    plugin = ["--get-mismatch-metrics", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+    exact = lab(tmp_path, *plugin, "--rollout-dtype", "fp32", name="fp32")
+    assert all(abs(r["mis_kl"]) < 1e-6 and r["mis_k3_kl"] < 1e-9 for r in exact)
+    bf16 = lab(tmp_path, *plugin, "--rollout-dtype", "bf16", name="bf16")
+    assert all(r["mis_k3_kl"] > 1e-7 for r in bf16)
+    assert all(r["train_rollout_logprob_abs_diff"] > 100 * e["train_rollout_logprob_abs_diff"]
+               for r, e in zip(bf16, exact))
+    stale = lab(tmp_path, *plugin, "--rollout-dtype", "fp32", "--rollout-staleness", "3", "--lr", "1e-2",
+                steps=3, name="stale")
+    assert abs(stale[0]["mis_kl"]) < 1e-6  # synced at step 1
+    assert stale[1]["mis_kl"] > 1e-4 and stale[2]["mis_kl"] > 1e-4  # the engine still has step-1 weights
+
+
+def test_engine_fp32_matches_trainer_and_int8_differs():
+    torch.manual_seed(0)
+    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=16))
+    prompts = task.make_prompts(16, 6, torch.Generator().manual_seed(0))
+    for dtype, quant, low, high in (("fp32", "none", 0.0, 1e-5), ("fp32", "int8", 1e-4, 1.0)):
+        engine = RolloutEngine(model, dtype, quant, seed=0)
+        responses, rollout = engine.generate(prompts, 8)
+        sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+        with torch.no_grad():
+            train_lp = sequence_log_probs(model, sequences, [8] * 16, 1.0)
+        gap = torch.cat([t - r for t, r in zip(train_lp, rollout)]).abs().max().item()
+        assert low <= gap < high, (dtype, quant, gap)
+    weight = torch.tensor([[0.5, -1.0, 0.25], [2.0, 0.0, -0.01]])
+    quantized = quantize_int8(weight)
+    assert quantized[0, 1] == -1.0 and quantized[1, 0] == 2.0
+    assert (quantized - weight).abs().max() <= 2.0 / 127 / 2 + 1e-7
+
+
+def test_task_reward_and_group_advantages():
+    prompt = torch.tensor([task.BOS, 3, 1, 2, task.SEP])
+    assert task.target(prompt).tolist() == [1, 2, 3, task.EOS]
+    assert task.reward(prompt, torch.tensor([1, 2, 3, task.EOS])) == 1.0
+    assert task.reward(prompt, torch.tensor([1, 2, task.EOS])) == 0.5  # 2 right of max(4, 3)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
+    assert advantages[0] > 0 > advantages[1] and advantages[2:].abs().max() < 1e-5
+
+
+def test_demo_writes_its_files(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "demo", "--steps", "2", "--out-dir",
+                          str(tmp_path / "demo")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in ALGORITHMS:
+        assert len(read(tmp_path / "demo" / name / "metrics.jsonl")) == 2
+        assert (tmp_path / "demo" / name / "mis.yaml").exists()
+    assert (tmp_path / "demo" / "summary.md").read_text().count("|") > 20
+    assert "| standard |" in out.stdout
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "demo" / "demo.png").stat().st_size > 10_000
+
+
+def test_resume_continues_exactly(tmp_path):
+    flags = ["--use-tis", "--rollout-dtype", "bf16", "--save-interval", "2"]
+    straight = lab(tmp_path, *flags, steps=4, name="straight")
+    lab(tmp_path, *flags, steps=2, name="resumed")
+    resumed = lab(tmp_path, *flags, "--resume", steps=4, name="resumed")
+    assert len(resumed) == 4 and len(read(tmp_path / "resumed" / "metrics.jsonl")) == 4
+    for a, b in zip(straight, resumed):
+        for key in ("reward", "loss", "raw_kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+
+
+def test_torchrun_cp2_equals_cp1(tmp_path):
+    flags = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+             "--rollout-dtype", "fp32", "--rollout-staleness", "2", "--steps", "3", "--quiet", "--prompts-per-step", "4",
+             "--sft-steps", "10"]  # fp32: a bf16 engine would amplify summation-order differences at each sync
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as torchrun sets it: same kernels, same rounding
+    one = subprocess.run([sys.executable, "-m", "miles_mis.lab", "train", *flags, "--out-dir", str(tmp_path / "cp1")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = read(tmp_path / "cp1" / "metrics.jsonl")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "miles_mis.lab", "train", *flags,
+                          "--context-parallel-size", "2", "--out-dir", str(tmp_path / "cp2")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sharded = read(tmp_path / "cp2" / "metrics.jsonl")
+    assert len(sharded) == 3
+    for a, b in zip(single, sharded):
+        for key in a:
+            if key != "seconds":
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
