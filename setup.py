@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["miles_mis", "miles_mis.*"]),
     install_requires=["torch", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "megatron-core"],
+        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib"],
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
         "analyze": ["matplotlib"],

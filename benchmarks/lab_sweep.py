@@ -20,6 +20,9 @@ SETTINGS = {
     "bf16 stale4 lr3e-3": ["--rollout-dtype", "bf16", "--rollout-staleness", "4", "--lr", "3e-3"],
     "bf16+int8 stale4 lr3e-3": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "int8",
                                 "--rollout-staleness", "4", "--lr", "3e-3"],
+    "bf16 lr3e-3 (no staleness)": ["--rollout-dtype", "bf16", "--lr", "3e-3"],
+    "bf16+int8 stale8 lr3e-3": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "int8",
+                                "--rollout-staleness", "8", "--lr", "3e-3"],
     "SYNTHETIC noise 0.5": ["--rollout-dtype", "bf16", "--rollout-logit-noise", "0.5"],
 }
 

@@ -16,7 +16,7 @@ import yaml
 from .train import PLUGIN, parse_args, train
 
 # the mismatch setting of the demo (see docs/lab.md for how it was chosen and what it shows)
-DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-staleness", "4", "--lr", "3e-3"]
+DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "int8", "--rollout-staleness", "4", "--lr", "3e-3"]
 DEFAULT_STEPS = 150
 
 ALGORITHMS = {
@@ -78,7 +78,16 @@ def plot(histories: dict[str, list[dict]], path: Path, title: str) -> bool:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, label) in zip(axes.flat, panels):
         for name, history in histories.items():
-            ax.plot([r["step"] for r in history], [r[key] for r in history], label=name, linewidth=1.2)
+            values = [r[key] for r in history]
+            if key == "reward":  # exponential moving average: the per-step reward is noisy
+                smoothed, level = [], values[0]
+                for v in values:
+                    level = 0.8 * level + 0.2 * v
+                    smoothed.append(level)
+                values, label = smoothed, "reward (EMA 0.2)"
+            ax.plot([r["step"] for r in history], values, label=name, linewidth=1.2)
+        if key == "grad_norm":
+            ax.set_yscale("log")
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
