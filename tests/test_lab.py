@@ -121,3 +121,11 @@ def test_torchrun_cp2_equals_cp1(tmp_path):
         for key in a:
             if key != "seconds":
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lab(tmp_path, "--wandb-project", "miles-mis-test", steps=2, name="wb")
+    assert any((tmp_path / "wb" / "wandb").glob("offline-run-*"))
