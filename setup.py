@@ -10,7 +10,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["miles_mis", "miles_mis.*"]),
+    packages=find_packages(include=["miles_mis", "miles_mis.*"]) + ["miles_mis.configs"],
+    # the presets in configs/ ship inside the package as miles_mis.configs (MisConfig.preset reads them)
+    package_dir={"miles_mis.configs": "configs"},
+    package_data={"miles_mis.configs": ["*.yaml"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
         "test": ["pytest", "hypothesis", "megatron-core", "matplotlib"],

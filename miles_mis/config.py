@@ -20,6 +20,10 @@ from typing import Any, Mapping
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
+# Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
+# k2 and k3 an upper bound on the statistic.
+DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 # Attributes a miles/slime host owns that start with the prefixes we police on a Namespace;
 # they belong to the host's built-in vanilla TIS, not to us.
@@ -41,6 +45,10 @@ class MisConfig:
     tis_batch_normalize: rescale the final weights to mean 1 over what is trained.
     tis_batch_normalize_scope: "micro_batch" (the mean of this micro-batch, as miles) or "dp" (the mean
         over the micro-batches of all data-parallel ranks at this step: one more all-reduce).
+    tis_bounds: alias setting both tis bounds at once, "L_U" or [L, U] (verl's IcePop spelling).
+    rs_divergence: rejection by divergence statistics, a mapping option -> threshold, all ANDed; k1
+        options take a ratio range "L_U" or [L, U], k2/k3 options an upper bound. Stored normalised as a
+        tuple of (option, lower, upper) in DIVERGENCE_OPTIONS order (lower None for k2/k3).
     """
 
     use_tis: bool = False
@@ -55,6 +63,8 @@ class MisConfig:
     rs_veto_threshold: float | None = None
     tis_batch_normalize: bool = False
     tis_batch_normalize_scope: str = "micro_batch"
+    tis_bounds: Any = None
+    rs_divergence: Any = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -66,6 +76,15 @@ class MisConfig:
         set_("tis_batch_normalize_scope",
              _as_choice("tis_batch_normalize_scope", self.tis_batch_normalize_scope, NORMALIZE_SCOPES))
 
+        if self.tis_bounds is not None:
+            if self.tis_lower_bound is not None or self.tis_upper_bound != 2.0:
+                raise ValueError("tis_bounds sets tis_lower_bound and tis_upper_bound: give either tis_bounds "
+                                 "or the two bounds, not both")
+            lower_alias, upper_alias = _as_range("tis_bounds", self.tis_bounds)
+            set_("tis_lower_bound", lower_alias)
+            set_("tis_upper_bound", upper_alias)
+            set_("tis_bounds", None)  # an input alias only: the bounds carry the values
+        set_("rs_divergence", _as_divergence(self.rs_divergence))
         upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
         if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
@@ -136,8 +155,31 @@ class MisConfig:
         values = {key: attributes[key] for key in cls.keys() if key in attributes}
         return cls(**values)
 
+    @classmethod
+    def preset(cls, name: str) -> "MisConfig":
+        """A named preset: configs/<name>.yaml (shipped in the package as miles_mis.configs)."""
+        files = preset_files()
+        if name not in files:
+            raise ValueError(f"unknown preset {name!r}{_did_you_mean(name, tuple(files))}; allowed presets: "
+                             f"{', '.join(sorted(files))}")
+        return cls.from_yaml(files[name])
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Keys and values as a YAML file would hold them (rs_divergence as an option -> threshold mapping)."""
+        out = dataclasses.asdict(self)
+        out["rs_divergence"] = {option: (upper if lower is None else [lower, upper])
+                                for option, lower, upper in self.rs_divergence} or None
+        return out
+
+
+def preset_files() -> dict[str, Path]:
+    """name -> YAML file of every shipped preset: the source tree's configs/, else the installed copy."""
+    directory = Path(__file__).resolve().parents[1] / "configs"
+    if not directory.is_dir():
+        from importlib import resources
+
+        directory = Path(str(resources.files("miles_mis.configs")))
+    return {path.stem: path for path in sorted(directory.glob("*.yaml"))}
 
 
 # ---------------------------------------------------------------------- validation helpers
@@ -176,6 +218,43 @@ def _as_positive(key: str, value: Any, *, default: float | None = None, required
     if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"{key}={value!r} is invalid: allowed values are finite positive numbers")
     return number
+
+
+def _as_range(key: str, value: Any) -> tuple[float, float]:
+    """A ratio range written "L_U" (verl) or [L, U]; 0 < L < U."""
+    parts = value.split("_") if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        raise ValueError(f"{key}={value!r} is invalid: allowed values are a ratio range \"L_U\" (e.g. \"0.5_2.0\") "
+                         "or [L, U] with 0 < L < U")
+    lower = _as_positive(f"{key} lower", parts[0], required=True)
+    upper = _as_positive(f"{key} upper", parts[1], required=True)
+    _check_order(f"{key} lower", lower, f"{key} upper", upper)
+    return lower, upper
+
+
+def _as_divergence(value: Any) -> tuple[tuple[str, float | None, float], ...]:
+    """Normalise rs_divergence into ((option, lower or None, upper), ...) in DIVERGENCE_OPTIONS order."""
+    if value is None:
+        return ()
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 3 for v in value):
+        value = {option: (upper if lower is None else [lower, upper]) for option, lower, upper in value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"rs_divergence={value!r} is invalid: allowed values are null or a mapping from option to "
+                         f"threshold, e.g. {{seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}}")
+    out = {}
+    for option, threshold in value.items():
+        if option not in DIVERGENCE_OPTIONS:
+            raise ValueError(f"rs_divergence: unknown option {option!r}{_did_you_mean(str(option), DIVERGENCE_OPTIONS)}"
+                             f"; allowed options: {', '.join(DIVERGENCE_OPTIONS)}")
+        key = f"rs_divergence.{option}"
+        if option.endswith("_k1"):
+            out[option] = (option, *_as_range(key, threshold))
+        else:
+            if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
+                raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
+                                 "statistic (a positive number), k1 options take a ratio range")
+            out[option] = (option, None, _as_positive(key, threshold, required=True))
+    return tuple(out[o] for o in DIVERGENCE_OPTIONS if o in out)
 
 
 def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, note: str = "") -> None:

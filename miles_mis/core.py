@@ -27,16 +27,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import divergence
 from .config import MisConfig
+from .ops import LOG_RATIO_CLAMP, indicator
 
-LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps every weight and sum of weights finite in float32
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
 _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
-
-
-def indicator(compare, a: Tensor, b) -> Tensor:
-    """Float 0/1 result of an elementwise comparison, e.g. ``indicator(torch.gt, ratio, upper)``."""
-    return compare(a, b, out=torch.empty_like(a, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -137,6 +133,8 @@ class TokenTerms:
     catastrophic: Tensor  # usable and ℓ_t < log(veto threshold)
     token_pass: Tensor  # usable and not rejected by a token-level stage
     token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
+    estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
+    divergence_kept: dict  # token option -> 0/1 kept by that option
 
     @property
     def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf
@@ -168,7 +166,14 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     if config.use_rs and config.rs_level == "token":
         token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
                       .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
-    return TokenTerms(valid, usable, train, log_ratio, token_ratio, catastrophic, token_pass, token_weight)
+    estimators, kept = {}, {}
+    if config.rs_divergence:
+        estimators = divergence.token_estimators(log_ratio, token_ratio)
+        kept = divergence.token_decisions(config.rs_divergence, estimators)
+        for keep in kept.values():
+            token_pass = token_pass * keep
+    return TokenTerms(valid, usable, train, log_ratio, token_ratio, catastrophic, token_pass, token_weight,
+                      estimators, kept)
 
 
 # --------------------------------------------------------------------------- stage 2: per-sequence table
@@ -182,8 +187,13 @@ NUM_SUM_COLUMNS = len(SUM_COLUMNS)
 NUM_COLUMNS = len(COL)
 
 
-def local_seq_stats(batch: PackedBatch, terms: TokenTerms) -> Tensor:
-    """[B, NUM_COLUMNS] float32 table of this rank's per-sequence statistics.
+def num_columns(config: MisConfig) -> int:
+    """Width of the per-sequence table: the base columns plus what the divergence options need."""
+    return NUM_COLUMNS + divergence.Layout.of(config.rs_divergence).width
+
+
+def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | None = None) -> Tensor:
+    """[B, num_columns(config)] float32 table of this rank's per-sequence statistics.
 
     k3_t = exp(clamp(ℓ_t)) − ℓ_t − 1 (exact for ℓ_t ≤ 20, finite beyond). The extreme columns are over
     passing tokens: −1 (max) and 3e38 (min) for a sequence without one here (weights are in [0, e^20]).
@@ -203,15 +213,27 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms) -> Tensor:
     not_passing = 1.0 - terms.token_pass
     columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0))
     columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN))
-    return torch.stack(columns, dim=1)
+    table = torch.stack(columns, dim=1)
+    if config is not None and config.rs_divergence:
+        layout = divergence.Layout.of(config.rs_divergence)
+        extra = divergence.local_columns(layout, terms.usable, terms.estimators, terms.divergence_kept,
+                                         batch.per_seq_sum,
+                                         lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE))
+        table = torch.cat([table, extra], dim=1)
+    return table
 
 
-def combine_seq_stats(per_rank: Tensor) -> Tensor:
+def combine_seq_stats(per_rank: Tensor, config: MisConfig | None = None) -> Tensor:
     """Reduce a [C, B, K] stack of per-rank tables (C context-parallel ranks) into one [B, K] table."""
     sums = per_rank[..., :NUM_SUM_COLUMNS].sum(0)
     maxima = per_rank[..., NUM_SUM_COLUMNS:NUM_SUM_COLUMNS + len(MAX_COLUMNS)].amax(0)
-    minima = per_rank[..., NUM_SUM_COLUMNS + len(MAX_COLUMNS):].amin(0)
-    return torch.cat([sums, maxima, minima], dim=1)
+    minima = per_rank[..., NUM_SUM_COLUMNS + len(MAX_COLUMNS):NUM_COLUMNS].amin(0)
+    parts = [sums, maxima, minima]
+    if config is not None and config.rs_divergence:
+        layout = divergence.Layout.of(config.rs_divergence)
+        extra = per_rank[..., NUM_COLUMNS:]
+        parts += [extra[..., :len(layout.sum_names)].sum(0), extra[..., len(layout.sum_names):].amax(0)]
+    return torch.cat(parts, dim=1)
 
 
 # --------------------------------------------------------------------------- stage 4: decisions, weights, metrics
@@ -314,6 +336,15 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         token_metrics["rs_catastrophic_token_fraction"] = terms.catastrophic
         seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
         seq_reject = seq_reject | vetoed
+    # -- divergence rejection (token options already folded into terms.token_pass)
+    if config.rs_divergence:
+        layout = divergence.Layout.of(config.rs_divergence)
+        div_reject, div_token, div_seq = divergence.evaluate(
+            layout, stats[:, NUM_COLUMNS:], stats[:, COL["n_usable"]], stats[:, COL["n_valid"]], terms.estimators,
+            terms.divergence_kept, terms.usable)
+        seq_reject = seq_reject | div_reject
+        token_metrics.update(div_token)
+        seq_values.update(div_seq)
     seq_keep = ~(seq_reject | (stats[:, COL["n_valid"]] > stats[:, COL["n_usable"]]))
 
     # -- batch statistics of the kept weights (before normalisation), from the per-sequence table
@@ -354,6 +385,9 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         seq_values[_WEIGHT] = seq_weight
     per_token = _broadcast(batch, seq_values)
     token_keep = terms.token_pass * per_token.pop(_KEEP)
+    if config.rs_divergence:  # tokens removed by any divergence option, token- or sequence-level
+        token_metrics["rs_divergence_masked_token_fraction"] = torch.maximum(
+            token_metrics.pop("_divergence_token_rejected"), per_token.pop("_divergence_seq_reject"))
     weight = (terms.token_weight if seq_weight is None else per_token.pop(_WEIGHT)) * token_keep
     token_metrics["is_ratio_mean_after_tis_rs"] = weight
     weight = (weight / factor).detach()

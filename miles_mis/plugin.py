@@ -84,7 +84,7 @@ def compute_mis_weights(
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks)
     batch = packed.batch
     terms = core.token_terms(batch, config)
-    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms), config)
+    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
     return weights, split(_full_masks(packed, correction)), {k: split(v) for k, v in correction.metrics.items()}
@@ -116,12 +116,13 @@ def _run(config: MisConfig, cp: distributed.Group, dp: distributed.Group, qkv_fo
     if packed is not None:
         batch = packed.batch
         terms = core.token_terms(batch, config)
-        stats = core.local_seq_stats(batch, terms)
+        stats = core.local_seq_stats(batch, terms, config)
     if cp.size > 1:
         num_seqs = len(loss_masks) if packed is None else batch.num_seqs
-        local = stats if packed is not None else torch.zeros(num_seqs, core.NUM_COLUMNS)
+        local = stats if packed is not None else torch.zeros(num_seqs, core.num_columns(config))
         lengths = packed.length_table if packed is not None else torch.zeros(num_seqs, 3)
-        stats = core.combine_seq_stats(distributed.exchange_seq_stats(local, lengths, cp, local_error)).float()
+        stats = core.combine_seq_stats(distributed.exchange_seq_stats(local, lengths, cp, local_error),
+                                       config).float()
     reduce = None if dp.size == 1 else (lambda parts: distributed.all_reduce_sum(parts, dp))
     correction = core.finalize(batch, terms, stats, config, reduce_normalizer=reduce)
 

@@ -38,6 +38,63 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
     return {f"{prefix}{mode}_fraction_low": float(rho < lower), f"{prefix}{mode}_fraction_high": float(rho > upper)}
 
 
+def _estimators(ell: float) -> dict[str, float]:
+    c = min(max(ell, -CLAMP), CLAMP)
+    return {"k1": -c, "k2": c * c / 2, "k3": math.exp(c) - c - 1}
+
+
+def _keeps(estimator: str, value: float, lower, upper) -> bool:
+    if estimator == "k1":  # the ratio exp(-k1) must lie in [lower, upper]
+        return lower <= math.exp(-value) <= upper
+    return value <= upper
+
+
+def divergence_reference(cfg, sequences, put):
+    """Per-sequence loop over cfg.rs_divergence: (token rejected [[bool]], sequence rejected [bool])."""
+    token_rejected = [[False] * len(toks) for toks in sequences]
+    seq_rejected = [False] * len(sequences)
+    any_token = [[False] * len(toks) for toks in sequences]
+    for option, lower, upper in cfg.rs_divergence:
+        aggregation, estimator = option.rsplit("_", 1)
+        name = f"rs_{option}"
+        values_per_seq = []
+        for i, toks in enumerate(sequences):
+            ks = [_estimators(t["ell"])[estimator] if t["usable"] else 0.0 for t in toks]
+            usable = [k for k, t in zip(ks, toks) if t["usable"]]
+            if aggregation == "token":
+                rejected = [t["usable"] and not _keeps(estimator, k, lower, upper) for k, t in zip(ks, toks)]
+                put(f"{name}_mean", i, ks)
+                put(f"{name}_masked_token_fraction", i, [float(r) for r in rejected])
+                put(f"{name}_masked_seq_fraction", i, [float(any(rejected))] * len(toks))
+                for t_index, r in enumerate(rejected):
+                    token_rejected[i][t_index] |= r
+                    any_token[i][t_index] |= r
+                values_per_seq.append(usable)
+            else:
+                if aggregation == "seq_sum":
+                    stat = sum(usable)
+                elif aggregation == "seq_mean":
+                    stat = sum(usable) / max(len(usable), 1)
+                else:
+                    stat = max(usable) if usable else 0.0
+                rejected = bool(usable) and not _keeps(estimator, stat, lower, upper)
+                seq_rejected[i] |= rejected
+                put(f"{name}_mean", i, [stat] * len(toks))
+                put(f"{name}_masked_token_fraction", i, [float(rejected)] * len(toks))
+                put(f"{name}_masked_seq_fraction", i, [float(rejected)] * len(toks))
+                values_per_seq.append([stat] if usable else [])
+        flat = [v for vs in values_per_seq for v in vs]
+        for i, toks in enumerate(sequences):
+            put(f"{name}_max", i, [max(flat) if flat else 0.0] * len(toks))
+            put(f"{name}_min", i, [min(flat) if flat else 0.0] * len(toks))
+    for i, toks in enumerate(sequences):
+        put("rs_divergence_masked_seq_fraction", i, [float(seq_rejected[i] or any(any_token[i]))] * len(toks))
+        put("rs_divergence_masked_token_fraction", i,
+            [float(seq_rejected[i] or any_token[i][t]) if toks[t]["usable"] or seq_rejected[i] else 0.0
+             for t in range(len(toks))])
+    return token_rejected, seq_rejected
+
+
 def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     sequences = []
     for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
@@ -85,6 +142,8 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         return None, masks, metrics
 
     # ---- weights, rejections
+    div_token_rejected, div_seq_rejected = (divergence_reference(cfg, sequences, put) if cfg.rs_divergence
+                                            else ([[False] * len(t) for t in sequences], [False] * len(sequences)))
     weights, keeps, seq_weights, seq_trained = [], [], [], []
     for i, toks in enumerate(sequences):
         usable = [t for t in toks if t["usable"]]
@@ -97,7 +156,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
                 return _exp(sum_ell)
             return _exp(sum_ell / max(len(usable), 1))
 
-        seq_rejected = any(t["nonfinite"] for t in toks)
+        seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i]
         if cfg.rs_veto_threshold is not None:
             vetoed = any(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold) for t in toks)
             seq_rejected = seq_rejected or vetoed
@@ -120,7 +179,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
                 keep = keep and cfg.rs_lower_bound <= rs_rho <= cfg.rs_upper_bound
                 for k, v in _fractions("rs_", "mask", rs_rho, cfg.rs_lower_bound, cfg.rs_upper_bound).items():
                     fracs[k].append(v)
-            keep = keep and not seq_rejected
+            keep = keep and not seq_rejected and not div_token_rejected[i][len(keep_list)]
             before.append(rho)
             after.append(w)
             w_list.append(w if keep else 0.0)

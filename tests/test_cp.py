@@ -27,6 +27,14 @@ def all_configs():
                         rs_lower_bound=BOUNDS[rs_level][0], rs_upper_bound=BOUNDS[rs_level][1],
                         rs_veto_threshold=veto, tis_batch_normalize=normalize)
     yield MisConfig(use_tis=False, use_rs=True, rs_veto_threshold=1e-4)
+    # divergence rejection, the sequence options above all (their statistics cross the CP ranks)
+    for option, threshold in (("seq_sum_k1", [0.6, 1.6]), ("seq_mean_k1", [0.95, 1.05]), ("seq_sum_k2", 0.1),
+                              ("seq_mean_k2", 0.01), ("seq_sum_k3", 0.1), ("seq_mean_k3", 0.01), ("seq_max_k2", 0.05),
+                              ("seq_max_k3", 0.05), ("token_k1", [0.8, 1.25]), ("token_k3", 0.02)):
+        yield MisConfig(use_tis=True, tis_level="geometric", tis_lower_bound=0.93, tis_upper_bound=1.07,
+                        tis_batch_normalize=True, rs_veto_threshold=0.75, rs_divergence={option: threshold})
+    yield MisConfig(use_tis=True, use_rs=True, rs_divergence={"token_k2": 0.02, "seq_mean_k1": "0.95_1.05",
+                                                             "seq_max_k3": 0.05})
 
 
 def check_case(rank, size, config, full, pg_loss, fmt, group=None, ps=None):
@@ -42,8 +50,9 @@ def check_case(rank, size, config, full, pg_loss, fmt, group=None, ps=None):
     assert torch.equal(full_mask[positions], ref_full[positions]), "owned positions of the modified masks"
     # other ranks' positions carry the sequence-level decisions: never more than the input, never less than cp=1
     assert bool((full_mask <= torch.cat(full["loss_masks"])).all()) and bool((full_mask >= ref_full).all())
-    if not (config.use_rs and config.rs_level == "token") and not (config.tis_level == "token"
-                                                                   and config.tis_mode == "mask"):
+    token_options = any(option.startswith("token") for option, _, _ in config.rs_divergence)
+    if not (config.use_rs and config.rs_level == "token") and not token_options and not (
+            config.tis_level == "token" and config.tis_mode == "mask"):
         assert torch.equal(full_mask, ref_full), "without token-level rejection the masks are identical everywhere"
     assert sorted(metrics) == sorted(ref_metrics)
     for name in metrics:

@@ -102,6 +102,7 @@ def test_cli_plugin_demo_prints_every_config(repo_root):
     out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "plugin-demo"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     header = out.stdout.splitlines()[2]
-    for name in ("mis", "token_tis", "seq_mis", "geo_rs", "icepop", "metrics_only"):
+    for name in ("mis", "token_tis", "seq_tis", "seq_mis", "seq_is_rs", "geo_rs", "k3_rs", "token_icepop",
+                 "metrics_only"):
         assert name in header.split()
     assert "mis_kl" in out.stdout and "kept_token_fraction" in out.stdout

@@ -1,0 +1,173 @@
+"""Rejection by divergence statistics (verl's k1/k2/k3 options), CP-aware like the rest of the core.
+
+With ℓ_t the clamped log ratio log(π_train/π_rollout) of a usable token (0 elsewhere):
+
+    k1_t = −ℓ_t          k2_t = ℓ_t² / 2          k3_t = e^{ℓ_t} − ℓ_t − 1
+
+An option "<aggregation>_<k>" tests, per token (token) or per sequence (seq_sum: Σ_t k_t, seq_mean:
+Σ_t k_t / n, seq_max: max_t k_t):
+
+- k1 options keep exactly the ratios inside [L, U]: L ≤ exp(−aggregated k1) ≤ U (so L ≤ ρ_t ≤ U at token
+  level, the product ratio for seq_sum, the geometric mean ratio for seq_mean). verl inverts asymmetric
+  k1 bounds; this does not.
+- k2 and k3 options keep aggregated k ≤ threshold.
+
+All configured options are ANDed with every other stage. Token options act on tokens (locally);
+sequence options reject whole sequences from per-sequence sums/maxima combined over the CP group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .ops import LOG_RATIO_CLAMP, indicator
+
+NO_VALUE = -3.0e38  # max-column value of a sequence without a usable token
+
+
+def split_option(option: str) -> tuple[str, str]:
+    """"seq_mean_k3" -> ("seq_mean", "k3")."""
+    aggregation, estimator = option.rsplit("_", 1)
+    return aggregation, estimator
+
+
+def token_estimators(log_ratio: Tensor, token_ratio: Tensor) -> dict[str, Tensor]:
+    """k1, k2, k3 per token from the clamped ℓ (0 where not usable, where every k is 0)."""
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": (token_ratio - clamped).sub_(1.0)}
+
+
+def within(statistic: Tensor, estimator: str, lower: float | None, upper: float) -> Tensor:
+    """0/1: the option keeps this value (k1: a ratio range; k2/k3: an upper bound)."""
+    if estimator == "k1":  # ratio = exp(−k1) in [L, U]  <=>  −log U ≤ k1 ≤ −log L
+        return indicator(torch.ge, statistic, -math.log(upper)).mul_(indicator(torch.le, statistic, -math.log(lower)))
+    return indicator(torch.le, statistic, upper)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which per-sequence columns the configured options need, after the core's base columns."""
+
+    options: tuple[tuple[str, float | None, float], ...]
+    sum_names: tuple[str, ...]
+    max_names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, options) -> "Layout":
+        sums, maxes = [], []
+        for option, _, _ in options:
+            aggregation, estimator = split_option(option)
+            if aggregation == "token":
+                sums.append(f"rejected:{option}")
+                maxes += [f"max:{option}", f"negmin:{option}"]
+            elif aggregation == "seq_max":
+                maxes.append(f"max:{estimator}")
+            else:
+                sums.append(f"sum:{estimator}")
+        if any(split_option(o)[0] == "token" for o, _, _ in options):
+            sums.append("rejected:any_token_option")
+        unique = lambda names: tuple(dict.fromkeys(names))  # noqa: E731
+        return cls(tuple(options), unique(sums), unique(maxes))
+
+    @property
+    def width(self) -> int:
+        return len(self.sum_names) + len(self.max_names)
+
+    def column(self, name: str) -> int:
+        names = self.sum_names + self.max_names
+        return names.index(name)
+
+
+def token_decisions(options, estimators: dict[str, Tensor]) -> dict[str, Tensor]:
+    """0/1 'kept by this option' per token, for the token options."""
+    return {option: within(estimators[split_option(option)[1]], split_option(option)[1], lower, upper)
+            for option, lower, upper in options if split_option(option)[0] == "token"}
+
+
+def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor], kept: dict[str, Tensor],
+                  per_seq_sum, per_seq_max) -> Tensor:
+    """[B, layout.width] per-sequence sums then maxima of this rank's tokens."""
+    not_usable = (1.0 - usable).mul_(-NO_VALUE)  # pushes non-usable tokens to −3e38 in maxima
+    columns = []
+    for name in layout.sum_names:
+        kind, what = name.split(":")
+        if what == "any_token_option":
+            rejected_any = torch.zeros_like(usable)
+            for keep in kept.values():
+                rejected_any = torch.maximum(rejected_any, 1.0 - keep)
+            columns.append(per_seq_sum(rejected_any.mul_(usable)))
+        elif kind == "rejected":
+            columns.append(per_seq_sum((1.0 - kept[what]).mul_(usable)))
+        else:  # sum:k
+            columns.append(per_seq_sum(estimators[what] * usable))
+    for name in layout.max_names:
+        kind, what = name.split(":")
+        value = estimators[split_option(what)[1] if what.startswith("token") else what]
+        value = -value if kind == "negmin" else value
+        columns.append(per_seq_max(value - not_usable))
+    return torch.stack(columns, dim=1) if columns else usable.new_zeros((per_seq_sum(usable).shape[0], 0))
+
+
+def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: Tensor) -> Tensor:
+    """The per-sequence statistic [B] of a sequence option from the combined columns."""
+    aggregation, estimator = split_option(option)
+    if aggregation == "seq_max":
+        return columns[:, layout.column(f"max:{estimator}")].clamp(min=0.0)  # no usable token -> 0
+    total = columns[:, layout.column(f"sum:{estimator}")]
+    return total if aggregation == "seq_sum" else total / n_usable.clamp(min=1.0)
+
+
+def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, n_valid: Tensor, token_values: dict[str, Tensor],
+             token_kept: dict[str, Tensor], usable: Tensor):
+    """Sequence rejections and every option's metrics.
+
+    Returns (seq_reject [B] bool, token metrics {name: [N]}, sequence metrics {name: [B]}). Metric names,
+    generated here for every option: rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction},
+    plus rs_divergence_masked_{token,seq}_fraction over all options together.
+    """
+    seq_reject = torch.zeros_like(n_usable, dtype=torch.bool)
+    token_metrics: dict[str, Tensor] = {}
+    seq_metrics: dict[str, Tensor] = {}
+    nonempty = n_usable > 0
+    for option, lower, upper in layout.options:
+        aggregation, estimator = split_option(option)
+        prefix = f"rs_{option}"
+        if aggregation == "token":
+            token_metrics[f"{prefix}_mean"] = token_values[estimator]
+            token_metrics[f"{prefix}_masked_token_fraction"] = (1.0 - token_kept[option]).mul_(usable)
+            seq_metrics[f"{prefix}_masked_seq_fraction"] = (columns[:, layout.column(f"rejected:{option}")] > 0).float()
+            high = columns[:, layout.column(f"max:{option}")]
+            low = -columns[:, layout.column(f"negmin:{option}")]
+            batch_max, batch_min = _extremes(high, low, nonempty)
+        else:
+            statistic = sequence_statistic(layout, option, columns, n_usable)
+            rejected = (within(statistic, estimator, lower, upper) == 0) & nonempty
+            seq_reject |= rejected
+            seq_metrics[f"{prefix}_mean"] = statistic
+            seq_metrics[f"{prefix}_masked_token_fraction"] = rejected.float()  # the whole sequence's tokens
+            seq_metrics[f"{prefix}_masked_seq_fraction"] = rejected.float()
+            batch_max, batch_min = _extremes(statistic, statistic, nonempty)
+        seq_metrics[f"{prefix}_max"] = batch_max.expand(n_usable.shape[0])
+        seq_metrics[f"{prefix}_min"] = batch_min.expand(n_usable.shape[0])
+    token_rejected = (columns[:, layout.column("rejected:any_token_option")] > 0
+                      if "rejected:any_token_option" in layout.sum_names else torch.zeros_like(seq_reject))
+    any_token = None
+    for keep in token_kept.values():
+        any_token = (1.0 - keep) if any_token is None else torch.maximum(any_token, 1.0 - keep)
+    seq_metrics["rs_divergence_masked_seq_fraction"] = (seq_reject | token_rejected).float()
+    seq_metrics["_divergence_seq_reject"] = seq_reject.float()
+    token_metrics["_divergence_token_rejected"] = (any_token.mul(usable) if any_token is not None
+                                                   else torch.zeros_like(usable))
+    return seq_reject, token_metrics, seq_metrics
+
+
+def _extremes(high: Tensor, low: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:
+    """Batch max of ``high`` and min of ``low`` over the selected sequences (0 when none)."""
+    top = torch.cat([high.new_full((1,), NO_VALUE), torch.where(selected, high, NO_VALUE)]).amax()
+    bottom = torch.cat([low.new_full((1,), -NO_VALUE), torch.where(selected, low, -NO_VALUE)]).amin()
+    empty = top <= NO_VALUE / 2
+    return torch.where(empty, 0.0, top), torch.where(empty, 0.0, bottom)
