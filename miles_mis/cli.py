@@ -34,6 +34,8 @@ def check_config(path: str, use_tis: bool | None) -> int:
     keys = _yaml_keys(path)
     print(f"# effective config of {path}")
     for key, value in cfg.to_dict().items():
+        if key == "tis_bounds":  # an input alias, already resolved into the two bounds
+            continue
         origin = "" if key in keys else "   # default" + (" (host flag --use-tis)" if key == "use_tis" else "")
         print(f"{key}: {_yaml_value(value)}{origin}")
     if not cfg.use_tis:
@@ -49,6 +51,10 @@ def _yaml_keys(path: str) -> set[str]:
 
 
 def _yaml_value(value) -> str:
+    if isinstance(value, dict):
+        import yaml
+
+        return yaml.safe_dump(value, default_flow_style=True).strip()
     if value is None:
         return "null"
     if isinstance(value, bool):
