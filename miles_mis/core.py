@@ -340,7 +340,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     if config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
         div_reject, div_token, div_seq = divergence.evaluate(
-            layout, stats[:, NUM_COLUMNS:], stats[:, COL["n_usable"]], stats[:, COL["n_valid"]], terms.estimators,
+            layout, stats[:, NUM_COLUMNS:], stats[:, COL["n_usable"]], terms.estimators,
             terms.divergence_kept, terms.usable)
         seq_reject = seq_reject | div_reject
         token_metrics.update(div_token)

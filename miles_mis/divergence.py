@@ -109,7 +109,7 @@ def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor],
         value = estimators[split_option(what)[1] if what.startswith("token") else what]
         value = -value if kind == "negmin" else value
         columns.append(per_seq_max(value - not_usable))
-    return torch.stack(columns, dim=1) if columns else usable.new_zeros((per_seq_sum(usable).shape[0], 0))
+    return torch.stack(columns, dim=1)  # called only with at least one option, so never empty
 
 
 def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: Tensor) -> Tensor:
@@ -121,7 +121,7 @@ def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: T
     return total if aggregation == "seq_sum" else total / n_usable.clamp(min=1.0)
 
 
-def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, n_valid: Tensor, token_values: dict[str, Tensor],
+def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: dict[str, Tensor],
              token_kept: dict[str, Tensor], usable: Tensor):
     """Sequence rejections and every option's metrics.
 
