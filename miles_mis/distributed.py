@@ -120,7 +120,7 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, local_error: E
                          f"{cp.rank}) stops too so that no rank waits in a collective")
     sizes = gathered[:, 0, 0].long().tolist()
     if len(set(sizes)) > 1:
-        raise ValueError(f"context-parallel ranks disagree on the number of sequences: "
+        raise ValueError("context-parallel ranks disagree on the number of sequences: "
                          + ", ".join(f"cp rank {r} has {b}" for r, b in enumerate(sizes)))
     seq_lengths = gathered[:, 1:num_seqs + 1, stats.shape[1]:width]
     differs = (seq_lengths != seq_lengths[:1]).any(dim=2).any(dim=0)

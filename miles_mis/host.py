@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .core import indicator
+from .ops import indicator
 from .layout import zigzag_layout
 
 LOG_RATIO_CLAMP = 20.0

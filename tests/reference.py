@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 CLAMP = 20.0
 
