@@ -20,7 +20,10 @@ from .config import MisConfig
 
 
 def _default_configs_dir() -> Path:
-    return Path(__file__).resolve().parents[1] / "configs"
+    from .config import preset_files
+
+    files = preset_files()
+    return next(iter(files.values())).parent if files else Path("configs")
 
 
 def check_config(path: str, use_tis: bool | None) -> int:

@@ -174,12 +174,12 @@ class MisConfig:
 
 def preset_files() -> dict[str, Path]:
     """name -> YAML file of every shipped preset: the source tree's configs/, else the installed copy."""
-    directory = Path(__file__).resolve().parents[1] / "configs"
-    if not directory.is_dir():
-        from importlib import resources
-
-        directory = Path(str(resources.files("miles_mis.configs")))
-    return {path.stem: path for path in sorted(directory.glob("*.yaml"))}
+    package = Path(__file__).resolve().parent
+    for directory in (package / "configs", package.parent / "configs"):  # installed wheel, source tree
+        files = {path.stem: path for path in sorted(directory.glob("*.yaml"))}
+        if files:
+            return files
+    return {}
 
 
 # ---------------------------------------------------------------------- validation helpers
