@@ -120,6 +120,16 @@ class CPContext:
             out.append(torch.cat([v[s0:s0 + n0], v[s1:s1 + n1]]))
         return out
 
+    def close(self) -> None:
+        """Tear the process group down before exit: a gloo group left to the interpreter's shutdown can
+        abort the process ('terminate called without an active exception')."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             import torch.distributed as dist
@@ -269,6 +279,8 @@ def _wandb(args: argparse.Namespace, out_dir: Path):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     train(args)
+    if args.context_parallel_size > 1:
+        CPContext(args.context_parallel_size).close()
     return 0
 
 
