@@ -28,6 +28,10 @@ DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 # Attributes a miles/slime host owns that start with the prefixes we police on a Namespace;
 # they belong to the host's built-in vanilla TIS, not to us.
 HOST_OWNED_ATTRIBUTES = frozenset({"tis_clip", "tis_clip_low"})
+# Host flags a --custom-config-path YAML may also set (the host applies them; MisConfig ignores them).
+HOST_FLAG_KEYS = frozenset({"use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "tis_clip",
+                            "tis_clip_low", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
+                            "loss_type", "use_opsm", "opsm_delta", "qkv_format"})
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class MisConfig:
         below it is rejected whole.
     tis_batch_normalize: rescale the final weights to mean 1 over what is trained.
     tis_batch_normalize_scope: "micro_batch" (the mean of this micro-batch, as miles) or "dp" (the mean
-        over the micro-batches of all data-parallel ranks at this step: one more all-reduce).
+        over the current micro-batch of every data-parallel rank: one more all-reduce per call).
     tis_bounds: alias setting both tis bounds at once, "L_U" or [L, U] (verl's IcePop spelling).
     rs_divergence: rejection by divergence statistics, a mapping option -> threshold, all ANDed; k1
         options take a ratio range "L_U" or [L, U], k2/k3 options an upper bound. Stored normalised as a
@@ -89,6 +93,9 @@ class MisConfig:
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
         if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
             _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
+        elif upper > RATIO_MAX:
+            raise ValueError(f"tis_upper_bound={upper!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed "
+                             f"values are at most {RATIO_MAX:.3g} (a larger bound could never act)")
         rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=upper)
         rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
         if self.use_rs:
@@ -118,6 +125,7 @@ class MisConfig:
         """Build from a mapping; an unknown key is an error with a did-you-mean suggestion."""
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
+        values = {key: value for key, value in values.items() if key not in HOST_FLAG_KEYS}
         for key in values:
             if key not in cls.keys():
                 raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), cls.keys())}; "
@@ -257,7 +265,15 @@ def _as_divergence(value: Any) -> tuple[tuple[str, float | None, float], ...]:
     return tuple(out[o] for o in DIVERGENCE_OPTIONS if o in out)
 
 
+# Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
+RATIO_MIN, RATIO_MAX = math.exp(-20.0), math.exp(20.0)
+
+
 def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, note: str = "") -> None:
+    for key, value in ((lower_key, lower), (upper_key, upper)):
+        if not RATIO_MIN <= value <= RATIO_MAX:
+            raise ValueError(f"{key}={value!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed values "
+                             f"are in [{RATIO_MIN:.3g}, {RATIO_MAX:.3g}] (a bound outside could never act)")
     if not lower < upper:
         raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}{note}: "
                          "allowed values are 0 < lower < upper")

@@ -31,6 +31,7 @@ from . import divergence
 from .config import MisConfig
 from .ops import LOG_RATIO_CLAMP, indicator
 
+LOG_PROB_LIMIT = 1e30  # |log-prob| and |ℓ| beyond this (fill values) are clamped before summing
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
 _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
 
@@ -147,8 +148,11 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     # diff is finite iff both log-probs are (inf − inf and NaN propagate); 0·x == 0 iff x is finite
     # (in-place ops below only touch temporaries created on the same line: fewer passes over fresh memory)
     usable = indicator(torch.eq, diff * 0.0, 0.0).mul_(valid)
-    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
-    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
+    # finite but huge values (a -3e38 fill value) are clamped so that per-sequence sums stay finite
+    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-LOG_PROB_LIMIT, LOG_PROB_LIMIT)
+    log_ratio.mul_(usable)
+    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0)
+    train = train.clamp_(-LOG_PROB_LIMIT, LOG_PROB_LIMIT).mul_(usable)
     token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
 
     if config.rs_veto_threshold is not None:

@@ -79,6 +79,10 @@ def resolve_dp_group(parallel_state: Any = None) -> Group:
                 return _group_info(info, name)
     mpu = _megatron()
     if mpu is None:
+        if parallel_state is not None:  # a distributed host whose DP group we cannot see: do not guess size 1
+            raise ValueError("tis_batch_normalize_scope: dp needs the data-parallel group: parallel_state has no "
+                             "effective_dp, intra_dp or dp attribute and Megatron-core is not initialised; use "
+                             "tis_batch_normalize_scope: micro_batch, or pass the group")
         return SINGLE
     size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     if size <= 1:

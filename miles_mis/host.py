@@ -157,11 +157,17 @@ def ppo_clip_loss(ppo_kl: Tensor, advantages: Tensor, eps_clip: float, eps_clip_
 def vanilla_tis(args: argparse.Namespace, *, pg_loss: Tensor, train_log_probs: list[Tensor],
                 rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **kwargs: Any):
     """The built-in TIS (no custom path): w = clamp(exp(π_old − π_rollout), tis_clip_low, tis_clip)."""
-    log_ratio = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    ratio = safe_ratio(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
     weight = ratio.clamp(args.tis_clip_low, args.tis_clip)
     metrics = {"tis": ratio, "tis_clipfrac": (weight != ratio).float(), "tis_abs": (ratio - 1.0).abs()}
     return pg_loss * weight, list(loss_masks), metrics
+
+
+def safe_ratio(log_ratio: Tensor) -> Tensor:
+    """exp of a log ratio with NaN -> 0 and ±inf/huge -> ±20: a NaN log-prob (SGLang null), even on an
+    untrained token, must not turn the loss into NaN (the reducer multiplies by the mask, and NaN·0 = NaN)."""
+    log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
 class Reducer:
@@ -204,9 +210,11 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     if cp.size > 1:
         layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), cp.rank, cp.size,
                                args.qkv_format, None if max_seq_lens is None else torch.tensor(max_seq_lens))
-        if layout.local_lengths.tolist() != local_lengths:
-            raise ValueError(f"log_probs shard lengths {local_lengths} do not match the zigzag layout "
-                             f"{layout.local_lengths.tolist()} of cp rank {cp.rank} of {cp.size}")
+        # agree before raising: a rank that raised alone would leave the others waiting in the plugin's collective
+        bad = float(layout.local_lengths.tolist() != local_lengths)
+        if distributed.all_reduce_sum(torch.tensor([bad], dtype=torch.float64), cp).item() > 0:
+            raise ValueError(f"log_probs shard lengths do not match the zigzag layout on at least one CP rank (this "
+                             f"rank {cp.rank} of {cp.size}: {local_lengths} vs {layout.local_lengths.tolist()})")
         offsets = torch.cumsum(torch.tensor([0] + response_lengths[:-1]), 0)
         positions = layout.positions(offsets)
     elif local_lengths != response_lengths:
@@ -249,8 +257,8 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
         pg_loss = -advantages * torch.nan_to_num(current, nan=0.0, posinf=0.0, neginf=0.0)
         pg_clipfrac = torch.zeros_like(pg_loss)
         if args.use_rollout_logprobs:  # bypass: w = π_θ/π_rollout, detached, within the built-in TIS bounds
-            log_ratio = (current.detach() - torch.cat(rollout)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            pg_loss = pg_loss * log_ratio.exp().clamp(args.tis_clip_low, args.tis_clip)
+            weight = safe_ratio(current.detach() - torch.cat(rollout)).clamp(args.tis_clip_low, args.tis_clip)
+            pg_loss = pg_loss * weight
 
     if args.use_opsm:
         keep = opsm_keep(old if rollout is None else rollout, list(log_probs), batch["advantages"], loss_masks,

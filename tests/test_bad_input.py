@@ -185,3 +185,11 @@ def test_prompt_must_have_a_token():
         compute_mis_weights_with_cp(FULL, pg_loss=torch.zeros(2), train_log_probs=[torch.zeros(2)],
                                     rollout_log_probs=[torch.zeros(2)], loss_masks=[torch.ones(2)],
                                     total_lengths=[2], response_lengths=[2])
+
+
+def test_huge_finite_fill_values_stay_finite():
+    train = [torch.tensor([-3.0e38, -1.0, -0.5]), torch.tensor([-1.0])]
+    rollout = [torch.tensor([-1.0, -3.0e38, -0.5]), torch.tensor([-1.0])]
+    for cfg in ALL_CONFIGS + [MisConfig(use_tis=False)]:
+        loss, masks, metrics = call(cfg, train, rollout, [torch.ones(3), torch.ones(1)])
+        assert_all_finite(loss, metrics)

@@ -96,3 +96,21 @@ def test_normalize_scope():
     assert MisConfig().tis_batch_normalize_scope == "micro_batch"
     with pytest.raises(ValueError, match="tis_batch_normalize_scope='global'.*micro_batch, dp"):
         MisConfig(tis_batch_normalize_scope="global")
+
+
+def test_host_flags_in_a_yaml_are_left_to_the_host(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("get_mismatch_metrics: true\neps_clip: 0.3\ntis_mode: clip\n")
+    assert MisConfig.from_yaml(path).tis_mode == "clip"
+    path.write_text("get_mismatch_metric: true\n")
+    with pytest.raises(ValueError, match="unknown key 'get_mismatch_metric'"):
+        MisConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("text", ["tis_upper_bound: 1e10\n", "tis_mode: clip\ntis_lower_bound: 1e-12\n",
+                                  "rs_divergence: {token_k1: [0.5, 1e9]}\n"])
+def test_bounds_outside_the_clamp_are_refused(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="could never act"):
+        MisConfig.from_yaml(path)

@@ -229,3 +229,22 @@ def test_reinforce_bypass_is_allowed_and_needs_rollout_log_probs():
     batch["rollout_log_probs"] = None
     with pytest.raises(ValueError, match="rollout_log_probs"):
         host.policy_loss(args, batch, current)
+
+
+@pytest.mark.parametrize("argv", [["--use-tis"], ["--loss-type", "reinforce", "--use-rollout-logprobs"]])
+def test_nan_rollout_log_prob_does_not_poison_the_loss(argv):
+    batch, current = make_batch([[0.0, 0.0, 0.0]], [[0.1, -0.2, 0.0]], [[1.0, -1.0, 0.5]],
+                                masks=[[1.0, 1.0, 0.0]])
+    batch["rollout_log_probs"][0][2] = float("nan")  # on an untrained token
+    batch["rollout_log_probs"][0][1] = float("-inf")  # on a trained token: weight at the clip bound
+    loss, metrics, (grad,) = grads(host.parse_args(argv), batch, current)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
+
+
+def test_metrics_only_preset_keeps_the_plugin_called_under_use_tis(repo_root):
+    args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="metrics_only.yaml", repo_root=repo_root)
+    assert args.use_tis is False and args.get_mismatch_metrics is True
+    batch, current = make_batch([[0.0, 0.1]], [[0.2, -0.1]], [[1.0, -1.0]])
+    _, metrics = host.policy_loss(args, batch, current)
+    assert "mis_kl" in metrics and "mis_tis_weight_before_bound" not in metrics
