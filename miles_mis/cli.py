@@ -35,13 +35,17 @@ def check_config(path: str, use_tis: bool | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     keys = _yaml_keys(path)
+    if "tis_bounds" in keys:
+        keys |= {"tis_lower_bound", "tis_upper_bound"}  # resolved from the tis_bounds alias
     print(f"# effective config of {path}")
     for key, value in cfg.to_dict().items():
         if key == "tis_bounds":  # an input alias, already resolved into the two bounds
             continue
         origin = "" if key in keys else "   # default" + (" (host flag --use-tis)" if key == "use_tis" else "")
         print(f"{key}: {_yaml_value(value)}{origin}")
-    if not cfg.use_tis:
+    if "use_tis" in keys:
+        print("# use_tis is set in the file: it overrides the host's --use-tis flag")
+    elif not cfg.use_tis:
         print("# use_tis is false: metrics-only mode (pg_loss and masks unchanged) unless the host passes --use-tis")
     return 0
 

@@ -126,6 +126,9 @@ class MisConfig:
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
         values = {key: value for key, value in values.items() if key not in HOST_FLAG_KEYS}
+        if "tis_bounds" in values and ({"tis_lower_bound", "tis_upper_bound"} & set(values)):
+            raise ValueError(f"{source}: tis_bounds sets tis_lower_bound and tis_upper_bound: give either tis_bounds "
+                             "or the two bounds, not both")
         for key in values:
             if key not in cls.keys():
                 raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), cls.keys())}; "
@@ -164,13 +167,22 @@ class MisConfig:
         return cls(**values)
 
     @classmethod
-    def preset(cls, name: str) -> "MisConfig":
-        """A named preset: configs/<name>.yaml (shipped in the package as miles_mis.configs)."""
+    def preset(cls, name: str, use_tis: bool | None = None) -> "MisConfig":
+        """A named preset: configs/<name>.yaml (shipped in the package as miles_mis.configs).
+
+        Like the files, presets leave ``use_tis`` to the host's --use-tis flag (False here) unless they set
+        it; pass ``use_tis=True`` to use one directly (a preset that sets use_tis keeps its own value).
+        """
         files = preset_files()
         if name not in files:
             raise ValueError(f"unknown preset {name!r}{_did_you_mean(name, tuple(files))}; allowed presets: "
                              f"{', '.join(sorted(files))}")
-        return cls.from_yaml(files[name])
+        import yaml
+
+        values = yaml.safe_load(files[name].read_text()) or {}
+        if use_tis is not None and "use_tis" not in values:
+            values["use_tis"] = use_tis
+        return cls.from_dict(values, source=str(files[name]))
 
     def to_dict(self) -> dict[str, Any]:
         """Keys and values as a YAML file would hold them (rs_divergence as an option -> threshold mapping)."""

@@ -147,3 +147,13 @@ def test_fast_path_matches_reference(divergence, level):
                     tis_batch_normalize=True, rs_divergence=divergence)
     for seed in range(3):
         assert_matches_reference(cfg, *random_batch(seed, noise=0.15, nonfinite=seed == 2))
+
+
+def test_preset_use_tis_and_exclusive_bounds_spelling(tmp_path):
+    assert MisConfig.preset("token_tis").use_tis is False  # left to the host flag, like the file
+    assert MisConfig.preset("token_tis", use_tis=True).use_tis is True
+    assert MisConfig.preset("metrics_only", use_tis=True).use_tis is False  # the preset sets it itself
+    path = tmp_path / "c.yaml"
+    path.write_text("tis_bounds: [0.5, 4]\ntis_upper_bound: 2.0\n")
+    with pytest.raises(ValueError, match="either tis_bounds or the two bounds"):
+        MisConfig.from_yaml(path)

@@ -73,8 +73,8 @@ def plot(histories: dict[str, list[dict]], path: Path, title: str) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install 'miles-mis[analyze]'): no figure", file=sys.stderr)
         return False
-    panels = [("reward", "reward"), ("raw_kl", "mis_kl: KL(π_rollout‖π_train) estimate"),
-              ("raw_ess", "ESS of π_train/π_rollout"), ("grad_norm", "grad norm (before clipping)")]
+    panels = [("reward", "reward"), ("raw_kl", "raw KL(π_rollout‖π_train): batch mean of log π_rollout − log π_old"),
+              ("raw_ess", "raw ESS of π_old/π_rollout over the batch"), ("grad_norm", "grad norm (before clipping)")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, label) in zip(axes.flat, panels):
         for name, history in histories.items():
