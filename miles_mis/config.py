@@ -126,7 +126,7 @@ class MisConfig:
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
         values = {key: value for key, value in values.items() if key not in HOST_FLAG_KEYS}
-        if "tis_bounds" in values and ({"tis_lower_bound", "tis_upper_bound"} & set(values)):
+        if values.get("tis_bounds") is not None and ({"tis_lower_bound", "tis_upper_bound"} & set(values)):
             raise ValueError(f"{source}: tis_bounds sets tis_lower_bound and tis_upper_bound: give either tis_bounds "
                              "or the two bounds, not both")
         for key in values:
