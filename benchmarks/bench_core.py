@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+
+from op_count import count_aten_ops  # noqa: E402
 
 from miles_mis import MisConfig, compute_mis_weights_with_cp  # noqa: E402
 
@@ -145,22 +146,10 @@ def interleaved_medians_ms(fn_a, fn_b, repeats):
     return statistics.median(times_a) * 1e3, statistics.median(times_b) * 1e3
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(num_seqs: int) -> int:
     inputs = make_inputs(num_seqs, 64, seed=1)
     pg_loss = torch.ones(sum(inputs["response_lengths"]))
-    with OpCounter() as counter:
-        ours(inputs, pg_loss)
-    return counter.count
+    return count_aten_ops(lambda: ours(inputs, pg_loss))
 
 
 def check_same(inputs, pg_loss):

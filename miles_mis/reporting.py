@@ -15,21 +15,17 @@ from torch import Tensor
 
 def reduce_metrics(metrics: Mapping[str, Tensor], loss_masks: Sequence[Tensor], *,
                    per_token: bool = False) -> dict[str, float]:
+    """The reference host's reducer (``host.Reducer``) divided by the sequence (token) count: a mean."""
+    from .host import Reducer
+
     lengths = [int(m.numel()) for m in loss_masks]
     if not lengths:
         return {name: 0.0 for name in metrics}
-    mask = torch.cat(list(loss_masks)).float()
+    counts = torch.stack([m.float().sum() for m in loss_masks])
     seq_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    counts = torch.zeros(len(lengths)).index_add_(0, seq_index, mask)
-    out = {}
-    for name, value in metrics.items():
-        masked = value.detach().float().cpu() * mask
-        if per_token:
-            out[name] = float(masked.sum() / counts.sum().clamp(min=1))
-        else:
-            sums = torch.zeros(len(lengths)).index_add_(0, seq_index, masked)
-            out[name] = float((sums / counts.clamp(min=1)).sum() / len(lengths))
-    return out
+    reduce = Reducer(loss_masks, counts, seq_index, None, per_token)
+    divisor = float(counts.sum().clamp(min=1)) if per_token else float(len(lengths))
+    return {name: float(reduce(value.detach().float().cpu())) / divisor for name, value in metrics.items()}
 
 
 def format_table(rows: Sequence[str], columns: Mapping[str, Mapping[str, float]]) -> str:

@@ -3,19 +3,9 @@ at B = 8 and B = 64 (counts, not timings), for the default config and for heavie
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_count import count_aten_ops
 
 from miles_mis import MisConfig, compute_mis_weights_with_cp
-
-
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_per_call(config, num_seqs):
@@ -26,9 +16,7 @@ def ops_per_call(config, num_seqs):
     kwargs = dict(pg_loss=torch.ones(sum(lengths)), train_log_probs=train, rollout_log_probs=rollout,
                   loss_masks=[torch.ones(n) for n in lengths], total_lengths=[n + 8 for n in lengths],
                   response_lengths=lengths)
-    with Count() as counter:
-        compute_mis_weights_with_cp(config, **kwargs)
-    return counter.ops
+    return count_aten_ops(lambda: compute_mis_weights_with_cp(config, **kwargs))
 
 
 @pytest.mark.parametrize("config", [
