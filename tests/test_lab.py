@@ -101,6 +101,26 @@ def test_resume_continues_exactly(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
 
 
+class _Payload:
+    """Unpickling this writes a marker file: what a planted checkpoint would do with weights_only=False."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_checkpoint_that_needs_pickle(tmp_path):
+    out = tmp_path / "planted"
+    out.mkdir()
+    marker = tmp_path / "payload_ran"
+    torch.save({"model": _Payload(marker), "step": 1}, out / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"--resume .*checkpoint\.pt: .*weights_only=True"):
+        lab(tmp_path, "--resume", steps=2, name="planted")
+    assert not marker.exists()
+
+
 def test_torchrun_cp2_equals_cp1(tmp_path):
     flags = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
              "--rollout-dtype", "fp32", "--rollout-staleness", "2", "--steps", "3", "--quiet", "--prompts-per-step", "4",

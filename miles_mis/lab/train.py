@@ -138,6 +138,18 @@ class CPContext:
         return tensor
 
 
+def load_checkpoint(path: Path) -> dict:
+    """A lab checkpoint, loaded without unpickling code (tensors, numbers, lists and dicts only)."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--resume {path}: not a lab checkpoint that loads without executing code "
+                         f"(weights_only=True): {first}") from None
+
+
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -160,7 +172,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     checkpoint_path = out_dir / "checkpoint.pt"
     writer = cp.rank == 0
     if args.resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
+        state = load_checkpoint(checkpoint_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         engine.load_state_dict(state["engine"])
