@@ -31,7 +31,9 @@ from . import divergence
 from .config import MisConfig
 from .ops import LOG_RATIO_CLAMP, indicator
 
-LOG_PROB_LIMIT = 1e30  # |log-prob| and |ℓ| beyond this (fill values) are clamped before summing
+# A log-prob at or beyond ±LOG_PROB_BOUND is a fill value, not a log-prob (no float32 softmax gets near
+# −1e4: its smallest positive probability is ~1e-45, log ≈ −103): treated exactly like NaN/inf.
+LOG_PROB_BOUND = 1e4
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
 _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
 
@@ -127,7 +129,7 @@ class TokenTerms:
     """Per-token quantities [N]; masks are float 0/1."""
 
     valid: Tensor  # loss_mask != 0
-    usable: Tensor  # valid and both log-probs finite
+    usable: Tensor  # valid and both log-probs finite and inside (−LOG_PROB_BOUND, LOG_PROB_BOUND)
     train_log_probs: Tensor  # log π_train, 0 where not usable
     log_ratio: Tensor  # ℓ_t, 0 where not usable (so ρ_t = 1 there)
     token_ratio: Tensor  # ρ_t = exp(clamp(ℓ_t))
@@ -138,21 +140,20 @@ class TokenTerms:
     divergence_kept: dict  # token option -> 0/1 kept by that option
 
     @property
-    def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf
+    def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf or a fill value (|log p| ≥ LOG_PROB_BOUND)
         return self.valid - self.usable
 
 
 def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     valid = indicator(torch.ne, batch.loss_mask, 0)
     diff = batch.train_log_probs - batch.rollout_log_probs
-    # diff is finite iff both log-probs are (inf − inf and NaN propagate); 0·x == 0 iff x is finite
-    # (in-place ops below only touch temporaries created on the same line: fewer passes over fresh memory)
-    usable = indicator(torch.eq, diff * 0.0, 0.0).mul_(valid)
-    # finite but huge values (a -3e38 fill value) are clamped so that per-sequence sums stay finite
-    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-LOG_PROB_LIMIT, LOG_PROB_LIMIT)
-    log_ratio.mul_(usable)
-    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0)
-    train = train.clamp_(-LOG_PROB_LIMIT, LOG_PROB_LIMIT).mul_(usable)
+    # usable: both |log p| < bound; NaN propagates through maximum and compares false, so NaN, ±inf and
+    # fill values all fail this one test (in-place ops only touch temporaries made on the same line)
+    largest = torch.maximum(batch.train_log_probs.abs(), batch.rollout_log_probs.abs())
+    usable = indicator(torch.lt, largest, LOG_PROB_BOUND).mul_(valid)
+    # where not usable the values are garbage (NaN·0 = NaN): zero them, so no metric sees their value
+    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
+    train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
     token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
 
     if config.rs_veto_threshold is not None:

@@ -8,6 +8,7 @@ The host contract is in docs/contract.md; the CP layout in docs/cp.md.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -144,17 +145,19 @@ class PackedInputs:
 
 
 def _full_masks(packed: PackedInputs, correction: core.Correction) -> Tensor:
-    """Flat full-length modified masks in the input dtype. Metrics-only: the input values unchanged (a
-    new tensor). Under CP, positions of other ranks carry this call's sequence-level decisions (their
-    token-level decisions stay on their owners, who are the only ranks that read those positions)."""
+    """Flat full-length modified masks: the input mask values (dtype too) with rejected tokens set to 0, so a
+    kept token keeps its value (0.5 stays 0.5). Metrics-only: the input values unchanged (a new tensor).
+    Under CP, positions of other ranks carry this call's sequence-level decisions (their token-level
+    decisions stay on their owners, who are the only ranks that read those positions)."""
+    masks = packed.full_masks
     if correction.weights is None:
-        return packed.full_masks
-    if packed.local_positions is None:
-        return correction.token_keep.to(packed.full_masks.dtype)
-    seq_keep = correction.seq_keep.float().repeat_interleave(
-        torch.tensor(packed.response_lengths, device=packed.full_masks.device), output_size=packed.full_masks.numel())
-    full = core.indicator(torch.ne, packed.full_masks, 0).mul_(seq_keep)
-    return full.index_copy_(0, packed.local_positions, correction.token_keep).to(packed.full_masks.dtype)
+        return masks
+    keep = correction.token_keep
+    if packed.local_positions is not None:
+        keep = correction.seq_keep.to(keep.dtype).repeat_interleave(
+            torch.tensor(packed.response_lengths, device=masks.device), output_size=masks.numel())
+        keep = keep.index_copy_(0, packed.local_positions, correction.token_keep)
+    return masks * keep.to(masks.dtype)
 
 
 # --------------------------------------------------------------------------- validation and packing
@@ -185,10 +188,15 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
 
     # Cheap whole-list checks first (numel, not .shape, which is slow on views; 1-D is checked on the
     # concatenated result); the sequences are walked only to name the first bad one.
-    local_lengths = [t.numel() for t in train_log_probs]
-    full_lengths = [m.numel() for m in loss_masks]
-    response_lengths = _int_list(response_lengths)
-    total_lengths = _int_list(total_lengths)
+    lists = (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+             ("loss_masks", loss_masks))
+    try:
+        local_lengths = [t.numel() for t in train_log_probs]
+        full_lengths = [m.numel() for m in loss_masks]
+    except (AttributeError, TypeError):  # not a tensor: name the first one
+        _raise_first_bad(lists)
+    response_lengths = _int_list("response_lengths", response_lengths)
+    total_lengths = _int_list("total_lengths", total_lengths)
     if response_lengths is not None and response_lengths != full_lengths:
         i = next(i for i, (r, n) in enumerate(zip(response_lengths, full_lengths)) if r != n)
         raise InputError(f"sequence {i}: response_lengths[{i}]={response_lengths[i]} but loss_masks[{i}] has "
@@ -206,7 +214,7 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         if qkv_format == "bshd":
             if max_seq_lens is None:
                 raise InputError("max_seq_lens is required when qkv_format is 'bshd'")
-            spans = torch.tensor(_int_list(max_seq_lens), dtype=torch.long)
+            spans = torch.tensor(_int_list("max_seq_lens", max_seq_lens), dtype=torch.long)
             too_long = (spans < torch.tensor(total_lengths)).nonzero()
             if too_long.numel():
                 i = int(too_long[0])
@@ -227,21 +235,26 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         _raise_shape_error(i, train_log_probs, rollout_log_probs, loss_masks)
 
     flat = None
-    if local_lengths == [t.numel() for t in rollout_log_probs]:
-        try:
-            flat = [torch.cat(list(seq)) if len(seq) else torch.zeros(0)
-                    for seq in (train_log_probs, rollout_log_probs, loss_masks)]
-        except RuntimeError:  # mixed dimensions
-            flat = None
-    if flat is None or any(f.ndim != 1 for f in flat):
-        bad = next((i for i, (a, b) in enumerate(zip(train_log_probs, rollout_log_probs))
-                    if a.shape != b.shape or a.ndim != 1), None)
+    try:
+        if local_lengths == [t.numel() for t in rollout_log_probs]:
+            flat = [torch.cat(list(seq)).detach() if len(seq) else torch.zeros(0) for _, seq in lists]
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):  # mixed dims/devices, odd tensors
+        flat = None
+    if flat is None or not all(_plain_1d(f) for f in flat):
+        _raise_first_bad(lists)
+        bad = next((i for i, (a, b) in enumerate(zip(train_log_probs, rollout_log_probs)) if a.shape != b.shape),
+                   None)
         if bad is None:
-            bad = next(i for i, m in enumerate(loss_masks) if m.ndim != 1)
+            raise InputError("the per-sequence tensors could not be joined (" + ", ".join(
+                f"{name}: {f.dtype} {f.layout} on {f.device}" for (name, _), f in zip(lists, flat or ())) + ")")
         _raise_shape_error(bad, train_log_probs, rollout_log_probs, loss_masks)
     train, rollout, full_masks = flat
     device = train.device
     full_masks = full_masks.to(device)
+    if full_masks.is_floating_point() and not bool(torch.isfinite(full_masks).all()):
+        i = next(i for i, m in enumerate(loss_masks) if not bool(torch.isfinite(m).all()))
+        raise InputError(f"sequence {i}: loss_masks[{i}] holds a non-finite value: masks are finite weights "
+                         "(nonzero = trained token)", i)
     if layout is None:
         local_mask = full_masks
     else:
@@ -253,17 +266,65 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
     return PackedInputs(batch, full_masks, full_lengths, positions, length_table)
 
 
-def _int_list(values) -> list[int] | None:
-    """Host lengths as a list of Python ints (they may arrive as a list, a tuple or a tensor)."""
+def _int_list(name: str, values) -> list[int] | None:
+    """Host lengths as a list of Python ints (they may arrive as a list, a tuple or an integer tensor)."""
     if values is None:
         return None
     if isinstance(values, Tensor):
-        return [int(v) for v in values.tolist()]
+        if values.is_floating_point() or values.is_complex() or values.ndim != 1:
+            raise InputError(f"{name} is a {values.dtype} tensor of shape {tuple(values.shape)}: expected B integers")
+        return values.tolist()
     values = list(values)
-    return values if all(type(v) is int for v in values) else [int(v) for v in values]
+    if all(type(v) is int for v in values):
+        return values
+    for i, v in enumerate(values):  # the slow path names the first bad entry
+        is_integer = isinstance(v, numbers.Integral) or (isinstance(v, Tensor) and v.numel() == 1
+                                                         and not v.is_floating_point())
+        if isinstance(v, bool) or not is_integer:
+            raise InputError(f"sequence {i}: {name}[{i}]={v!r} is not an integer", i)
+    return [int(v) for v in values]
+
+
+def _plain_1d(tensor: Tensor) -> bool:
+    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_meta and tensor.ndim == 1
+            and not tensor.is_complex())
+
+
+def _tensor_problem(value: Any, device: Any, log_probs: bool) -> str | None:
+    """What is wrong with one per-sequence entry, or None."""
+    if not isinstance(value, Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if value.layout != torch.strided:
+        return f"is a {str(value.layout).replace('torch.', '')} tensor: dense tensors only"
+    if value.is_quantized:
+        return f"is a quantized tensor ({value.dtype}): dense float tensors only"
+    if value.is_meta:
+        return "is on the meta device (it has no values)"
+    if device is not None and value.device != device:
+        return f"is on {value.device} but sequence 0 is on {device}: every sequence on one device"
+    if value.is_complex():
+        return f"has dtype {value.dtype}: " + ("log-probs are real" if log_probs else "masks are real")
+    if value.ndim != 1:
+        return f"has shape {tuple(value.shape)}: expected a 1-D tensor"
+    return None
+
+
+def _raise_first_bad(lists) -> None:
+    """Raise an InputError naming the first sequence whose entry is not a plain 1-D tensor (no-op if none)."""
+    first_device = {}
+    for name, seq in lists:
+        head = seq[0] if len(seq) else None
+        first_device[name] = head.device if isinstance(head, Tensor) and not head.is_meta else None
+    for i in range(max(len(seq) for _, seq in lists)):
+        for name, seq in lists:
+            problem = _tensor_problem(seq[i], first_device[name], name != "loss_masks")
+            if problem:
+                raise InputError(f"sequence {i}: {name}[{i}] {problem}", i)
 
 
 def _raise_shape_error(i: int, train_log_probs, rollout_log_probs, loss_masks) -> None:
+    _raise_first_bad((("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+                      ("loss_masks", loss_masks)))
     shapes = [tuple(seq[i].shape) for seq in (train_log_probs, rollout_log_probs, loss_masks)]
     raise InputError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has shape "
                      f"{shapes[1]}, loss_masks has shape {shapes[2]}; the log-probs must be 1-D of equal length, "

@@ -1,0 +1,180 @@
+"""Boundaries of the plugin call (issue 9): masks keep their values, outputs carry no graph, fill values are
+not log-probs, odd tensors get an InputError naming the sequence."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
+from miles_mis.core import LOG_PROB_BOUND
+from miles_mis.plugin import InputError, _tensor_problem
+
+TOKEN_TIS = MisConfig(use_tis=True, tis_upper_bound=10.0)
+PRESETS = ["mis", "token_tis", "seq_tis", "seq_mis", "geo_rs", "k3_rs", "token_icepop", "seq_is_rs"]
+
+
+def call(cfg, train, rollout, masks, pg_loss=None):
+    n = sum(t.numel() for t in train)
+    pg_loss = torch.ones(n, requires_grad=True) if pg_loss is None else pg_loss
+    return compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout,
+                                       loss_masks=masks, total_lengths=[t.numel() + 5 for t in train],
+                                       response_lengths=[t.numel() for t in train])
+
+
+# --------------------------------------------------------------------------- 2. masks keep their values
+def test_kept_tokens_keep_their_mask_value_and_rejected_become_zero():
+    # token mask mode [0.5, 2]: token 1 has rho = e^1 > 2 -> rejected; the others are kept with their values
+    train = [torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])]
+    rollout = [torch.tensor([-1.0, -2.0, -1.1, -0.9, -1.0])]
+    masks = [torch.tensor([0.5, 2.0, -1.0, 2.0, 0.0])]
+    _, out, _ = call(MisConfig(use_tis=True, tis_mode="mask"), train, rollout, masks)
+    assert out[0].tolist() == [0.5, 0.0, -1.0, 2.0, 0.0]
+    _, out, _ = call(TOKEN_TIS, train, rollout, masks)  # truncate rejects nothing: the input values come back
+    assert torch.equal(out[0], masks[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64, torch.bool])
+def test_mask_dtype_and_values_survive(dtype):
+    masks = [torch.tensor([3, 0, 1, 2]).to(dtype)]
+    _, out, _ = call(TOKEN_TIS, [torch.full((4,), -1.0)], [torch.full((4,), -1.1)], masks)
+    assert out[0].dtype == dtype and torch.equal(out[0], masks[0])
+
+
+def test_host_loss_with_a_half_mask_is_not_doubled():
+    # miles' reducer: sum(loss * modified_mask) / sum(original_mask). With nothing rejected, the plugin
+    # must not change the numerator: 0.5 must stay 0.5 (it came back as 1.0 before).
+    from miles_mis.host import Reducer
+
+    masks = [torch.tensor([0.5, 0.5, 1.0])]
+    _, out, _ = call(TOKEN_TIS, [torch.full((3,), -1.0)], [torch.full((3,), -1.0)], masks)
+    reduce = Reducer(out, torch.tensor([2.0]), torch.zeros(3, dtype=torch.long), None, per_token=False)
+    assert reduce(torch.tensor([1.0, 1.0, 1.0])).item() == pytest.approx((0.5 + 0.5 + 1.0) / 2.0)
+
+
+@pytest.mark.parametrize("preset", PRESETS + ["metrics_only"])
+def test_only_pg_loss_carries_a_graph(preset):
+    cfg = MisConfig.preset(preset, use_tis=True)
+    train = [(-torch.rand(6)).requires_grad_() for _ in range(3)]
+    rollout = [(t.detach() + 0.05 * torch.randn(6)).requires_grad_() for t in train]
+    masks = [torch.ones(6, requires_grad=True) for _ in range(3)]
+    pg = torch.ones(18, requires_grad=True)
+    loss, out, metrics = call(cfg, train, rollout, masks, pg_loss=pg)
+    for tensor in out + list(metrics.values()):
+        assert not tensor.requires_grad and tensor.grad_fn is None
+    loss.sum().backward()
+    assert pg.grad is not None and all(t.grad is None for t in train + rollout + masks)
+
+
+def test_nonfinite_mask_value_is_an_input_error():
+    with pytest.raises(InputError, match=r"sequence 1: loss_masks\[1\] holds a non-finite value"):
+        call(TOKEN_TIS, [torch.zeros(2)] * 2, [torch.zeros(2)] * 2, [torch.ones(2), torch.tensor([1.0, math.nan])])
+
+
+# --------------------------------------------------------------------------- 5. fill values are not log-probs
+FILLS = [-3.0e38, torch.finfo(torch.float32).min, -LOG_PROB_BOUND, -1.0e5, LOG_PROB_BOUND, 3.0e38,
+         -math.inf, math.inf, math.nan]
+
+
+def batch_with(value, where):
+    train = [torch.tensor([-1.0, -0.5, -2.0]), torch.tensor([-1.0, -0.3])]
+    rollout = [torch.tensor([-1.2, -0.5, -1.9]), torch.tensor([-0.8, -0.3])]
+    (train if where == "train" else rollout)[0][1] = value
+    return train, rollout, [torch.ones(3), torch.ones(2)]
+
+
+@pytest.mark.parametrize("where", ["train", "rollout"])
+@pytest.mark.parametrize("preset", PRESETS + ["metrics_only"])
+def test_fill_values_are_treated_exactly_like_nan(preset, where):
+    cfg = MisConfig.preset(preset, use_tis=True)
+    loss_nan, masks_nan, metrics_nan = call(cfg, *batch_with(math.nan, where))
+    for value in FILLS:
+        loss, masks, metrics = call(cfg, *batch_with(value, where))
+        assert torch.isfinite(loss).all()
+        assert torch.equal(loss, loss_nan), value
+        assert all(torch.equal(a, b) for a, b in zip(masks, masks_nan)), value
+        assert metrics.keys() == metrics_nan.keys()
+        for name in metrics:
+            assert torch.isfinite(metrics[name]).all(), (value, name)
+            assert torch.equal(metrics[name], metrics_nan[name]), (value, name)
+        assert metrics["mis_nonfinite_token_fraction"].tolist() == [0, 1, 0, 0, 0]
+        if cfg.use_tis:  # the sequence is rejected whole
+            assert masks[0].tolist() == [0, 0, 0]
+
+
+def test_just_inside_the_bound_is_a_log_prob():
+    train, rollout, masks = batch_with(-LOG_PROB_BOUND * 0.999, "train")
+    rollout[0][1] = -LOG_PROB_BOUND * 0.999
+    _, out, metrics = call(TOKEN_TIS, train, rollout, masks)
+    assert metrics["mis_nonfinite_token_fraction"].sum() == 0 and out[0].tolist() == [1, 1, 1]
+    # the per-sequence mean log-prob includes it: (-1 - 9990 - 2) / 3
+    assert metrics["mis_training_log_ppl"][0].item() == pytest.approx((1 + LOG_PROB_BOUND * 0.999 + 2) / 3, rel=1e-6)
+
+
+log_prob = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True),
+                     st.floats(-30.0, 0.0, width=32), st.sampled_from(FILLS))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(log_prob, log_prob, st.sampled_from([0.0, 1.0, 0.5])), min_size=1, max_size=12),
+       st.sampled_from(PRESETS))
+def test_k3_is_non_negative_and_everything_finite_on_any_input(tokens, preset):
+    train = [torch.tensor([t for t, _, _ in tokens], dtype=torch.float32)]
+    rollout = [torch.tensor([r for _, r, _ in tokens], dtype=torch.float32)]
+    masks = [torch.tensor([m for _, _, m in tokens])]
+    loss, _, metrics = call(MisConfig.preset(preset, use_tis=True), train, rollout, masks)
+    assert torch.isfinite(loss).all()
+    for name, value in metrics.items():
+        assert torch.isfinite(value).all(), name
+    assert (metrics["mis_k3_kl"] >= 0).all()
+    assert (metrics["mis_chi2_token"] >= -1).all()
+
+
+# --------------------------------------------------------------------------- 7. odd tensors
+def test_odd_entries_name_the_sequence():
+    good = torch.tensor([-1.0, -0.5])
+    sparse = good.to_sparse()
+    with warnings.catch_warnings():  # quantized tensors are deprecated, but a host may still pass one
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_tensor(good, 0.1, 0, torch.qint8)
+    cases = [
+        ("train_log_probs", [-1.0, -0.5], r"sequence 1: train_log_probs\[1\] is a list, not a tensor"),
+        ("rollout_log_probs", None, r"sequence 1: rollout_log_probs\[1\] is a NoneType, not a tensor"),
+        ("train_log_probs", sparse, r"sequence 1: train_log_probs\[1\] is a sparse_coo tensor"),
+        ("rollout_log_probs", quantized, r"sequence 1: rollout_log_probs\[1\] is a quantized tensor"),
+        ("train_log_probs", torch.empty(2, device="meta"), r"sequence 1: train_log_probs\[1\] is on the meta device"),
+        ("loss_masks", torch.ones(2, device="meta"), r"sequence 1: loss_masks\[1\] is on the meta device"),
+        ("loss_masks", [1, 1], r"sequence 1: loss_masks\[1\] is a list"),
+        ("train_log_probs", torch.zeros(2, dtype=torch.complex64),
+         r"sequence 1: train_log_probs\[1\] has dtype torch.complex64"),
+        ("rollout_log_probs", torch.zeros(1, 2), r"sequence 1: rollout_log_probs\[1\] has shape \(1, 2\)"),
+    ]
+    for name, bad, message in cases:
+        lists = {"train_log_probs": [good, good.clone()], "rollout_log_probs": [good, good.clone()],
+                 "loss_masks": [torch.ones(2), torch.ones(2)]}
+        lists[name][1] = bad
+        for entry in (lambda: compute_mis_weights(TOKEN_TIS, **lists),
+                      lambda: compute_mis_weights_with_cp(TOKEN_TIS, pg_loss=torch.zeros(4), **lists)):
+            with pytest.raises(InputError, match=message) as error:
+                entry()
+            assert error.value.sequence_index == 1
+
+
+def test_another_device_is_named():
+    problem = _tensor_problem(torch.zeros(2), torch.device("cuda", 0), log_probs=True)
+    assert problem == "is on cpu but sequence 0 is on cuda:0: every sequence on one device"
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ([2, 2.5], r"sequence 1: response_lengths\[1\]=2.5 is not an integer"),
+    ([2, None], r"sequence 1: response_lengths\[1\]=None is not an integer"),
+    (torch.tensor([2.0, 2.0]), r"response_lengths is a torch.float32 tensor"),
+])
+def test_lengths_must_be_integers(lengths, message):
+    with pytest.raises(InputError, match=message):
+        compute_mis_weights_with_cp(TOKEN_TIS, pg_loss=torch.zeros(4), train_log_probs=[torch.zeros(2)] * 2,
+                                    rollout_log_probs=[torch.zeros(2)] * 2, loss_masks=[torch.ones(2)] * 2,
+                                    total_lengths=[5, 5], response_lengths=lengths)
