@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     analyze = sub.add_parser("analyze", help="read miles --dump-details dumps and recommend a correction")
     analyze.add_argument("dump_dir", type=Path)
     analyze.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
+    analyze.add_argument("--allow-partial", action="store_true",
+                         help="analyse an incomplete dump (a call lacking a rank, a sequence short of its "
+                              "response_length) with a warning, instead of refusing it")
     demo_parser = sub.add_parser("plugin-demo", help="run the plugin on a shipped example batch with every config")
     demo_parser.add_argument("--configs-dir", type=Path, default=_default_configs_dir())
     args = parser.parse_args(argv)
@@ -133,13 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         from .analyze import report
 
         try:
-            text = report(args.dump_dir)
+            text = report(args.dump_dir, allow_partial=args.allow_partial)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         print(text)
         if args.out:
-            args.out.write_text(text)
+            try:
+                args.out.write_text(text)
+            except OSError as error:
+                print(f"error: cannot write the report to {args.out}: {error.strerror or error}", file=sys.stderr)
+                return 1
         return 0
     return plugin_demo(args.configs_dir)
 

@@ -1,24 +1,34 @@
 """The dump analyzer on synthetic dumps written in miles' --dump-details format."""
 
+import math
+import random
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from miles_mis.analyze import load_dumps, mismatch_summary, recommend, report, simulate_presets
+from miles_mis import cli
+from miles_mis.analyze import NONFINITE_LIMIT, load_dumps, mismatch_summary, recommend, report, simulate_presets
 
 
-def write_dump(directory, samples_per_rank, call=0):
-    """samples_per_rank: {rank: [(old, rollout, mask), ...]} in miles' rank_<r>_call_<c>.pt layout."""
+def write_dump(directory, samples_per_rank, call=0, response_lengths=None):
+    """samples_per_rank: {rank: [(old, rollout, mask), ...]} in miles' rank_<r>_call_<c>.pt layout.
+
+    response_lengths: the whole sequences' lengths (as miles' batch["response_lengths"]); by default each
+    sample's own length (no context parallelism)."""
     out = directory / "policy_loss_debug"
     out.mkdir(parents=True, exist_ok=True)
     for rank, samples in samples_per_rank.items():
-        rows = [{"index": i, "total_length": 100, "response_length": 50, "train_log_probs": old.clone(),
-                 "old_log_probs": old, "rollout_log_probs": rollout, "advantages": torch.zeros_like(old),
-                 "local_loss_mask": mask} for i, (old, rollout, mask) in enumerate(samples)]
+        rows = [{"index": i, "total_length": 100,
+                 "response_length": len(old) if response_lengths is None else response_lengths[i],
+                 "train_log_probs": old.clone(), "old_log_probs": old, "rollout_log_probs": rollout,
+                 "advantages": torch.zeros_like(old), "local_loss_mask": mask}
+                for i, (old, rollout, mask) in enumerate(samples)]
         torch.save({"rank": rank, "call": call, "samples": rows, "ppo_kl": torch.zeros(1), "pg_loss": torch.zeros(1),
-                    "finite": {}}, out / f"rank_{rank}_call_{call}.pt")
+                    "finite": {"ppo_kl": True}}, out / f"rank_{rank}_call_{call}.pt")
+    return out
 
 
 def batch(seed, noise, num=16, length=40):
@@ -30,6 +40,26 @@ def batch(seed, noise, num=16, length=40):
     return samples
 
 
+def split_cp2(samples, cut=10):
+    """Rank 0 holds the first `cut` tokens of every sequence, rank 1 the rest (the order does not matter)."""
+    return {0: [(o[:cut], r[:cut], m[:cut]) for o, r, m in samples],
+            1: [(o[cut:], r[cut:], m[cut:]) for o, r, m in samples]}
+
+
+def analyze(capsys, *argv):
+    code = cli.main(["analyze", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err):
+    """The CLI's answer to bad input: exit 1 and exactly one stderr line 'error: ...'; returns the message."""
+    assert code == 1, err
+    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
+    return err[len("error: "):-1]
+
+
+# --------------------------------------------------------------------------- recommendations
 def test_agreeing_engines_get_token_tis(tmp_path):
     write_dump(tmp_path, {0: batch(0, 0.003)})
     dump = load_dumps(tmp_path)
@@ -65,13 +95,14 @@ def test_heavy_tails_and_nonfinite_are_reported(tmp_path):
     text = report(tmp_path)
     assert "engine bug" in text and "## Recommendation: `token_icepop`" in text
     assert "| token_tis |" in text and "| geo_rs |" in text
+    assert "| non-finite engine log-prob fraction | 0.001563 |" in text  # 1 / 640
+    assert "| non-finite trainer log-prob fraction | 0 |" in text
 
 
 def test_cp_shards_are_joined_across_ranks(tmp_path):
     full = batch(3, 0.05, num=4)
     write_dump(tmp_path / "single", {0: full})
-    split = {0: [(o[:10], r[:10], m[:10]) for o, r, m in full], 1: [(o[10:], r[10:], m[10:]) for o, r, m in full]}
-    write_dump(tmp_path / "cp2", split)
+    write_dump(tmp_path / "cp2", split_cp2(full), response_lengths=[40] * 4)
     a = mismatch_summary(load_dumps(tmp_path / "single"))
     b = mismatch_summary(load_dumps(tmp_path / "cp2"))
     for key in a:
@@ -84,6 +115,245 @@ def test_cli_analyze(tmp_path):
                           str(tmp_path / "r.md")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "Recommendation" in (tmp_path / "r.md").read_text()
-    missing = subprocess.run([sys.executable, "-m", "miles_mis.cli", "analyze", str(tmp_path / "none")],
-                             capture_output=True, text=True)
-    assert missing.returncode == 1 and "--dump-details" in missing.stderr
+    bad = write_dump(tmp_path / "bad", {0: batch(4, 0.003, num=2)}) / "rank_0_call_0.pt"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated: the real process prints one line, no traceback
+    broken = subprocess.run([sys.executable, "-m", "miles_mis.cli", "analyze", str(tmp_path / "bad")],
+                            capture_output=True, text=True)
+    assert broken.returncode == 1 and broken.stdout == ""
+    assert broken.stderr.startswith(f"error: {bad}: unreadable (") and broken.stderr.count("\n") == 1, broken.stderr
+
+
+# --------------------------------------------------------------------------- no code from data files
+class _WritesMarker:
+    """Unpickling this calls open(marker, 'w'): harmless, but proof that the file's code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickle_code_in_a_dump_is_refused_and_never_runs(tmp_path, capsys):
+    marker = tmp_path / "marker"
+    out = write_dump(tmp_path / "d", {0: batch(5, 0.01, num=2)})
+    evil = out / "rank_1_call_0.pt"
+    torch.save({"rank": 1, "call": 0, "samples": [_WritesMarker(marker)]}, evil)
+    message = one_line_error(*analyze(capsys, tmp_path / "d")[::2])
+    assert message.startswith(f"{evil}: refused: loading it needs pickle code (") and "io.open" in message
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- one line per bad file
+def _rewrite(path, change):
+    payload = torch.load(path, weights_only=True)
+    change(payload)
+    torch.save(payload, path)
+
+
+def _set(sample, name, value):
+    return lambda payload: payload["samples"][sample].__setitem__(name, value)
+
+
+def _drop(sample, name):
+    return lambda payload: payload["samples"][sample].pop(name)
+
+
+BAD_FILES = {  # id: (how the good rank_0_call_0.pt is damaged, the error message after "<file>: ")
+    "empty": (lambda p: p.write_bytes(b""), "empty file (0 bytes)"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:300]), re.compile(r"unreadable \(RuntimeError: .+\)")),
+    "random bytes": (lambda p: p.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(512))),
+                     "not a torch.save file (Unsupported operand 197)"),
+    "text": (lambda p: p.write_text("hello world\n"), "unreadable (KeyError: 101)"),
+    "foreign dict": (lambda p: torch.save({"weights": torch.zeros(2), "step": 3}, p),
+                     "not a miles policy-loss dump: no 'samples' list (keys: step, weights)"),
+    "a bare tensor": (lambda p: torch.save(torch.zeros(3), p),
+                      "holds a Tensor, not a miles policy-loss dump (a dict with 'samples')"),
+    "no samples": (lambda p: _rewrite(p, lambda d: d.__setitem__("samples", [])),
+                   "holds no samples (an empty 'samples' list)"),
+    "sample not a dict": (lambda p: _rewrite(p, lambda d: d["samples"].__setitem__(1, [1, 2])),
+                          "sample 1 is a list, not a dict"),
+    "no index": (lambda p: _rewrite(p, _drop(2, "index")), "sample 2 has no integer 'index' (got None)"),
+    "duplicate index": (lambda p: _rewrite(p, _set(2, "index", 0)), "samples 0 and 2 both have index 0"),
+    "no old_log_probs": (lambda p: _rewrite(p, _drop(2, "old_log_probs")), "sample 2 has no old_log_probs"),
+    "no rollout_log_probs": (lambda p: _rewrite(p, _drop(1, "rollout_log_probs")),
+                             "sample 1 has no rollout_log_probs: the rollout must keep per-token log-probs"),
+    "list field": (lambda p: _rewrite(p, _set(1, "rollout_log_probs", [0.0] * 40)),
+                   "sample 1: rollout_log_probs is a list, not a tensor"),
+    "2-d field": (lambda p: _rewrite(p, _set(0, "old_log_probs", torch.zeros(2, 20))),
+                  "sample 0: old_log_probs has shape (2, 20), expected one dimension (tokens)"),
+    "short mask": (lambda p: _rewrite(p, _set(3, "local_loss_mask", torch.ones(39))),
+                   "sample 3: local_loss_mask has 39 tokens but old_log_probs has 40"),
+    "NaN mask": (lambda p: _rewrite(p, _set(3, "local_loss_mask", torch.full((40,), float("nan")))),
+                 "sample 3: local_loss_mask has NaN/inf values"),
+    "bad response_length": (lambda p: _rewrite(p, _set(1, "response_length", -1)),
+                            "sample 1: response_length -1 is not an integer >= 0"),
+    "rank differs from name": (lambda p: _rewrite(p, lambda d: d.__setitem__("rank", 1)),
+                               "the file says rank 1 but its name says rank 0 (renamed or copied over?)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_every_bad_file_is_one_line_naming_it(tmp_path, capsys, case):
+    damage, expected = BAD_FILES[case]
+    path = write_dump(tmp_path, {0: batch(6, 0.01, num=4)}) / "rank_0_call_0.pt"
+    damage(path)
+    message = one_line_error(*analyze(capsys, tmp_path)[::2])
+    assert message.startswith(f"{path}: "), message
+    detail = message[len(f"{path}: "):]
+    assert (expected.fullmatch(detail) if isinstance(expected, re.Pattern) else detail == expected), message
+
+
+def test_a_file_name_without_rank_and_call_numbers_is_named(tmp_path, capsys):
+    out = write_dump(tmp_path, {0: batch(6, 0.01, num=2)})
+    odd = out / "rank_0_call_0_copy.pt"
+    odd.write_bytes((out / "rank_0_call_0.pt").read_bytes())
+    message = one_line_error(*analyze(capsys, tmp_path)[::2])
+    assert message == f"{odd}: file name is not rank_<r>_call_<c>.pt with integers r and c"
+
+
+def test_missing_or_non_directory_paths(tmp_path, capsys):
+    assert one_line_error(*analyze(capsys, tmp_path / "none")[::2]) == f"{tmp_path / 'none'} does not exist"
+    path = write_dump(tmp_path, {0: batch(7, 0.01, num=2)}) / "rank_0_call_0.pt"
+    assert one_line_error(*analyze(capsys, path)[::2]) == (
+        f"{path} is a file, not a directory: pass the --dump-details directory (the one holding policy_loss_debug/)")
+    (tmp_path / "empty").mkdir()
+    assert one_line_error(*analyze(capsys, tmp_path / "empty")[::2]).startswith(f"{tmp_path / 'empty'}: no miles dumps")
+
+
+def test_no_valid_token_is_an_error(tmp_path, capsys):
+    write_dump(tmp_path, {0: [(o, r, torch.zeros_like(m)) for o, r, m in batch(8, 0.01, num=2)]})
+    assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
+        f"{tmp_path}: the dumps hold no valid token (every local_loss_mask is 0): nothing to analyse")
+
+
+def test_an_unwritable_out_file_is_one_line(tmp_path, capsys):
+    write_dump(tmp_path / "d", {0: batch(9, 0.003, num=2)})
+    code, out, err = analyze(capsys, tmp_path / "d", "--out", tmp_path)  # a directory
+    assert "## Recommendation" in out
+    assert one_line_error(code, err).startswith(f"cannot write the report to {tmp_path}: ")
+
+
+# --------------------------------------------------------------------------- completeness across ranks
+def _hand_cp2_dump(directory):
+    """cp = 2, two calls of one 4-token sequence each (2 tokens per rank). ℓ = log π_old - log π_rollout is
+    0 everywhere except call 1, rank 0, token 0: ℓ = log 3."""
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5])
+    write_dump(directory, split_cp2([(old, old.clone(), torch.ones(4))], cut=2), call=0, response_lengths=[4])
+    rollout = old.clone()
+    rollout[0] -= math.log(3)
+    return write_dump(directory, split_cp2([(old, rollout, torch.ones(4))], cut=2), call=1, response_lengths=[4])
+
+
+def test_a_call_missing_a_cp_rank_is_an_error(tmp_path, capsys):
+    out = _hand_cp2_dump(tmp_path)
+    (out / "rank_1_call_1.pt").unlink()
+    assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
+        f"{tmp_path}: incomplete dump: call 1 lacks rank 1; call 1 sequence 0 holds 2 of its 4 response tokens "
+        f"({out / 'rank_0_call_1.pt'}); pass --allow-partial to analyse what is there")
+
+
+def test_a_cp_rank_missing_from_every_call_is_an_error(tmp_path, capsys):
+    out = write_dump(tmp_path, split_cp2(batch(10, 0.01, num=2)), response_lengths=[40, 40])
+    (out / "rank_1_call_0.pt").unlink()  # rank coverage cannot see it: the response lengths do
+    assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
+        f"{tmp_path}: incomplete dump: call 0 sequence 0 holds 10 of its 40 response tokens "
+        f"({out / 'rank_0_call_0.pt'}); call 0 sequence 1 holds 10 of its 40 response tokens "
+        f"({out / 'rank_0_call_0.pt'}); pass --allow-partial to analyse what is there")
+
+
+def test_allow_partial_analyses_what_is_there_with_a_warning(tmp_path, capsys):
+    out = _hand_cp2_dump(tmp_path)
+    (out / "rank_1_call_1.pt").unlink()
+    dump = load_dumps(tmp_path, allow_partial=True)
+    assert dump.warnings == [f"partial dump (--allow-partial), the statistics cover only what is there: call 1 lacks "
+                             f"rank 1; call 1 sequence 0 holds 2 of its 4 response tokens ({out / 'rank_0_call_1.pt'})"]
+    summary = mismatch_summary(dump)  # tokens ℓ = [0, 0, 0, 0 | log 3, 0], ρ = [1, 1, 1, 1 | 3, 1]
+    assert summary["sequences"] == 2 and summary["valid tokens"] == 6 and summary["mean response length"] == 3
+    assert summary["token KL k1 (mean log pi_rollout - log pi_old)"] == pytest.approx(-math.log(3) / 6)
+    assert summary["token KL k3"] == pytest.approx((3 - math.log(3) - 1) / 6)
+    assert summary["chi2 token (mean rho^2 - 1)"] == pytest.approx((5 + 9) / 6 - 1)
+    assert summary["max abs(log ratio)"] == pytest.approx(math.log(3))
+    assert summary["fraction rho > 2"] == pytest.approx(1 / 6) and summary["fraction rho < 0.5"] == 0
+    assert summary["sequences with abs(sum log ratio) > log 2"] == 0.5
+    code, text, err = analyze(capsys, tmp_path, "--allow-partial")
+    assert code == 0 and err == ""
+    lines = text.splitlines()
+    assert lines[0] == f"# miles_mis analysis of {tmp_path}" and lines[2] == f"**warning: {dump.warnings[0]}**"
+
+
+def test_duplicate_rank_and_call_from_two_runs_is_an_error(tmp_path, capsys):
+    first = write_dump(tmp_path / "run1", {0: batch(11, 0.01, num=2)}) / "rank_0_call_0.pt"
+    second = write_dump(tmp_path / "run2", {0: batch(12, 0.01, num=2)}) / "rank_0_call_0.pt"
+    expected = (f"rank 0 call 0 appears twice: {first} and {second} (dumps of two runs? analyse one run's "
+                "directory)")
+    assert one_line_error(*analyze(capsys, tmp_path)[::2]) == expected
+    assert one_line_error(*analyze(capsys, tmp_path, "--allow-partial")[::2]) == expected
+
+
+def test_different_sequences_under_one_call_and_index_are_an_error(tmp_path, capsys):
+    # two single-rank runs whose ranks differ: same (call, index), same length, so twice the tokens
+    first = write_dump(tmp_path / "run1", {0: batch(13, 0.01, num=1)}) / "rank_0_call_0.pt"
+    second = write_dump(tmp_path / "run2", {1: batch(14, 0.01, num=1)}) / "rank_1_call_0.pt"
+    assert one_line_error(*analyze(capsys, tmp_path, "--allow-partial")[::2]) == (
+        f"call 0 sequence 0: its shards hold 80 tokens, more than its response_length 40 ({first}, {second}): "
+        "different sequences joined (dumps of two runs, or ranks of different data-parallel groups)")
+    _rewrite(second, _set(0, "response_length", 39))
+    assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
+        f"call 0 sequence 0: {first} says response_length 40 but {second} says 39: different sequences (dumps of "
+        "two runs, or ranks of different data-parallel groups)")
+
+
+def test_dumps_without_response_length_are_checked_by_rank_coverage_only(tmp_path):
+    out = write_dump(tmp_path, {0: batch(15, 0.003, num=3)})
+    _rewrite(out / "rank_0_call_0.pt", lambda d: [sample.pop("response_length") for sample in d["samples"]])
+    dump = load_dumps(tmp_path)
+    assert dump.warnings == ["3 sequences carry no response_length: their completeness was checked by rank coverage "
+                             "only"]
+    assert mismatch_summary(dump)["valid tokens"] == 120
+
+
+# --------------------------------------------------------------------------- broken log-probs
+def _with_nan(samples, count, side="rollout"):
+    """The first `count` sequences get NaN log-probs on every token, on the engine's or the trainer's side."""
+    out = []
+    for i, (old, rollout, mask) in enumerate(samples):
+        if i < count:
+            nan = torch.full_like(old, float("nan"))
+            old, rollout = (old, nan) if side == "rollout" else (nan, rollout)
+        out.append((old, rollout, mask))
+    return out
+
+
+CELL_NAN = re.compile(r"\|\s*[-+]?(nan|inf)\s*\|", re.IGNORECASE)
+
+
+def test_mostly_nonfinite_engine_log_probs_get_no_recommendation(tmp_path):
+    write_dump(tmp_path, {0: _with_nan(batch(16, 0.003), 10)})  # 400 of 640 valid tokens
+    text = report(tmp_path)
+    assert "## Recommendation: none" in text and "agrees" not in text and "Use it with" not in text
+    assert ("- the engine's log-probs are broken: 62.5% of valid tokens are NaN/inf (engine 62.5%, trainer 0.0%; "
+            f"the limit is {NONFINITE_LIMIT:.0%})") in text
+    assert "| non-finite token fraction | 0.625 |" in text
+    assert "Not simulated: the log-probs are broken" in text and not CELL_NAN.search(text)
+
+
+def test_all_nonfinite_trainer_log_probs_leave_no_nan_in_the_report(tmp_path):
+    write_dump(tmp_path, {0: _with_nan(batch(17, 0.003, num=2), 2, side="train")})
+    summary = mismatch_summary(load_dumps(tmp_path))
+    assert summary["non-finite trainer log-prob fraction"] == 1.0 and summary["token KL k3"] is None
+    assert summary["chi2 token (mean rho^2 - 1)"] is None and summary["max abs(log ratio)"] is None
+    text = report(tmp_path)
+    assert "- the trainer's log-probs are broken: 100.0% of valid tokens are NaN/inf" in text
+    assert "| token KL k3 | n/a |" in text and "| chi2 token (mean rho^2 - 1) | n/a |" in text
+    assert not CELL_NAN.search(text) and "Use it with" not in text
+
+
+def test_half_nonfinite_is_at_the_limit_and_still_recommends(tmp_path):
+    write_dump(tmp_path, {0: _with_nan(batch(18, 0.003), 8)})  # 320 / 640 = the limit, not above it
+    dump = load_dumps(tmp_path)
+    summary = mismatch_summary(dump)
+    assert summary["non-finite token fraction"] == NONFINITE_LIMIT == 0.5
+    choice, reasons = recommend(summary, simulate_presets(dump))
+    assert choice == "token_tis" and "engine bug" in reasons[0]
+    assert not CELL_NAN.search(report(tmp_path))
