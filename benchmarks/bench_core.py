@@ -107,12 +107,14 @@ def per_sequence(inputs, pg_loss):
     n_valid = sum(int((m != 0).sum()) for m in inputs["loss_masks"])
     ess = all_w.sum().square() / (n_valid * all_w.square().sum()) if all_w.square().sum() > 0 else torch.tensor(0.)
     kept_final = kept / factor
-    for w in weights:
+    for w, k in zip(weights, masks):
         ones = torch.ones_like(w)
         put("batch_norm_factor", factor * ones)
         put("is_ratio_mean_final", w)
-        put("is_ratio_min_final", kept_final.min() * ones)
-        put("is_ratio_max_final", kept_final.max() * ones)
+        put("is_ratio_min_final", (w[k].min() if k.any() else torch.tensor(0.0)) * ones)
+        put("is_ratio_max_final", (w[k].max() if k.any() else torch.tensor(0.0)) * ones)
+        put("is_ratio_batch_min_final", kept_final.min() * ones)
+        put("is_ratio_batch_max_final", kept_final.max() * ones)
         put("ess", ess * ones)
     out_loss = pg_loss * torch.cat(weights)
     return out_loss, [m.float() for m in masks], {k: torch.cat(v) for k, v in metrics.items()}

@@ -378,11 +378,20 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     n_valid = stats[:, COL["n_valid"]].sum()
     batch_values = {
         "batch_norm_factor": factor,
-        "is_ratio_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
-        "is_ratio_max_final": torch.where(any_kept, max_w / factor, torch.zeros_like(factor)),
+        "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
+        "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, torch.zeros_like(factor)),
         "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30),
                            torch.zeros_like(sum_w)),
     }
+
+    # -- miles' per-sequence extremes of the final weight over the sequence's kept tokens (0 without one)
+    if seq_weight is None:
+        has_kept = seq_keep & (stats[:, COL["max_token_weight"]] >= 0)
+        seq_max, seq_min = stats[:, COL["max_token_weight"]], stats[:, COL["min_token_weight"]]
+    else:
+        has_kept, seq_max, seq_min = n_pass > 0, seq_weight, seq_weight
+    seq_values["is_ratio_max_final"] = torch.where(has_kept, seq_max / factor, 0.0)
+    seq_values["is_ratio_min_final"] = torch.where(has_kept, seq_min / factor, 0.0)
 
     # -- one broadcast to the tokens, then the token-level weights
     seq_values[_KEEP] = seq_keep.float()

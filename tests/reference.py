@@ -211,12 +211,15 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     sum_w, sum_w2 = sum(all_w), sum(w * w for w in all_w)
     batch = {
         "batch_norm_factor": factor,
-        "is_ratio_min_final": min(kept_final) if kept_final else 0.0,
-        "is_ratio_max_final": max(kept_final) if kept_final else 0.0,
+        "is_ratio_batch_min_final": min(kept_final) if kept_final else 0.0,
+        "is_ratio_batch_max_final": max(kept_final) if kept_final else 0.0,
         "ess": sum_w ** 2 / (n_valid * sum_w2) if sum_w2 > 0 else 0.0,
     }
     for i, toks in enumerate(sequences):
         put("is_ratio_mean_final", i, list(weights[i]))
+        kept_here = [w for w, k in zip(weights[i], keeps[i]) if k]  # miles: per-sequence extremes, 0 if none
+        put("is_ratio_min_final", i, [min(kept_here) if kept_here else 0.0] * len(toks))
+        put("is_ratio_max_final", i, [max(kept_here) if kept_here else 0.0] * len(toks))
         for name, value in batch.items():
             put(name, i, [value] * len(toks))
     masks = [[float(k) for k in ks] for ks in keeps]

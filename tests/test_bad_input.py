@@ -121,6 +121,7 @@ def test_all_rejected_batch_is_finite_and_zero():
     assert metrics["mis_batch_norm_factor"].tolist() == [1.0] * 7
     assert metrics["mis_ess"].tolist() == [0.0] * 7
     assert metrics["mis_is_ratio_max_final"].tolist() == [0.0] * 7
+    assert metrics["mis_is_ratio_batch_max_final"].tolist() == [0.0] * 7
     assert_all_finite(loss, metrics)
 
 

@@ -130,8 +130,11 @@ def test_batch_normalize_sequence_level_counts_sequences_not_tokens():
 def test_final_statistics_and_ess():
     # truncate at 2, no normalisation: final weights 1, 2, 0.25, 1.5, 0.8 over 5 valid tokens
     _, _, metrics = run(tis_mode="truncate", tis_upper_bound=2.0)
-    assert values(metrics["mis_is_ratio_max_final"])[0] == [2.0] * 3
-    assert values(metrics["mis_is_ratio_min_final"])[1] == [0.25] * 2
+    # miles' meaning: each sequence's own extremes (seq 0: 1, 2, 0.25; seq 1: 1.5, 0.8); batch extremes apart
+    assert values(metrics["mis_is_ratio_max_final"]) == [[2.0] * 3, [1.5] * 2]
+    assert values(metrics["mis_is_ratio_min_final"]) == [[0.25] * 3, [0.8] * 2]
+    assert values(metrics["mis_is_ratio_batch_max_final"]) == [[2.0] * 3, [2.0] * 2]
+    assert values(metrics["mis_is_ratio_batch_min_final"]) == [[0.25] * 3, [0.25] * 2]
     ws = [1, 2, 0.25, 1.5, 0.8]
     ess = sum(ws) ** 2 / (5 * sum(x * x for x in ws))
     assert values(metrics["mis_ess"]) == [[round(ess, 5)] * 3, [round(ess, 5)] * 2]
