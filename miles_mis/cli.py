@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -28,14 +29,20 @@ def _default_configs_dir() -> Path:
 
 
 def check_config(path: str, use_tis: bool | None) -> int:
+    from . import host
+    from .config import HOST_FLAG_KEYS, load_yaml_mapping
+
     try:
-        cfg = MisConfig.from_yaml(path)
-        if use_tis is not None and "use_tis" not in _yaml_keys(path):
+        values = load_yaml_mapping(path)
+        cfg = MisConfig.from_dict(values, source=path)
+        # host flag keys: converted and checked as the host's --custom-config-path does it
+        host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
+        if use_tis is not None and "use_tis" not in values:
             cfg = dataclasses.replace(cfg, use_tis=use_tis)
-    except (ValueError, OSError) as error:
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    keys = _yaml_keys(path)
+    keys = set(values)
     if "tis_bounds" in keys:
         keys |= {"tis_lower_bound", "tis_upper_bound"}  # resolved from the tis_bounds alias
     print(f"# effective config of {path}")
@@ -52,10 +59,9 @@ def check_config(path: str, use_tis: bool | None) -> int:
 
 
 def _yaml_keys(path: str) -> set[str]:
-    import yaml
+    from .config import load_yaml_mapping
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    return set(data) if isinstance(data, dict) else set()
+    return set(load_yaml_mapping(path))
 
 
 def _yaml_value(value) -> str:
@@ -102,6 +108,20 @@ def plugin_demo(configs_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a reader that closes early (``miles-mis ... | head``) ends it quietly, exit status 1."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # inside the try: a broken pipe at the interpreter's final flush would print a traceback
+        return status
+    except BrokenPipeError:
+        # the standard way (Python docs, "Note on SIGPIPE"): point stdout at devnull, so that the final flush
+        # of what is still buffered succeeds, and exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the lab commands own their flags (miles' host flags included): hand them over untouched
     if argv and argv[0] in ("train", "demo"):

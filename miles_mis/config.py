@@ -131,20 +131,20 @@ class MisConfig:
                              "or the two bounds, not both")
         for key in values:
             if key not in cls.keys():
-                raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), cls.keys())}; "
-                                 f"allowed keys: {', '.join(cls.keys())}")
-        return cls(**dict(values))
+                known = cls.keys() + tuple(sorted(HOST_FLAG_KEYS))
+                raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), known)}; "
+                                 f"allowed keys: {', '.join(cls.keys())} (and the host flags "
+                                 f"{', '.join(sorted(HOST_FLAG_KEYS))})")
+        try:
+            return cls(**dict(values))
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "MisConfig":
-        """Build from a YAML file (the file miles passes with ``--custom-config-path``)."""
-        import yaml
-
-        text = Path(path).read_text()
-        values = yaml.safe_load(text)
-        if values is None:
-            values = {}
-        return cls.from_dict(values, source=str(path))
+        """Build from a YAML file (the file miles passes with ``--custom-config-path``), read by
+        :func:`load_yaml_mapping`: every error is one ``ValueError`` line naming the file."""
+        return cls.from_dict(load_yaml_mapping(path), source=str(path))
 
     @classmethod
     def from_args(cls, args: Any) -> "MisConfig":
@@ -177,9 +177,7 @@ class MisConfig:
         if name not in files:
             raise ValueError(f"unknown preset {name!r}{_did_you_mean(name, tuple(files))}; allowed presets: "
                              f"{', '.join(sorted(files))}")
-        import yaml
-
-        values = yaml.safe_load(files[name].read_text()) or {}
+        values = load_yaml_mapping(files[name])
         if use_tis is not None and "use_tis" not in values:
             values["use_tis"] = use_tis
         return cls.from_dict(values, source=str(files[name]))
@@ -200,6 +198,105 @@ def preset_files() -> dict[str, Path]:
         if files:
             return files
     return {}
+
+
+# ---------------------------------------------------------------------- YAML files
+def load_yaml_file(path: str | Path) -> Any:
+    """The one YAML reader of miles_mis (``MisConfig.from_yaml``, presets, the host's
+    ``--custom-config-path``, ``miles-mis check-config``): ``yaml.safe_load`` semantics (YAML 1.1, so
+    ``1e-4`` is a string), plus
+
+    - every error is a one-line ``ValueError``: ``FILE:LINE:COLUMN: message`` for a syntax error,
+      ``FILE: cannot read the file (...)`` for a missing or unreadable one;
+    - a key given twice in one mapping is an error (PyYAML silently keeps the last one);
+    - a number written with underscores (YAML 1.1 digit separators: ``0.5_2`` is the number 0.52) keeps
+      its source text, so that a range written unquoted can be reported as the user wrote it.
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the file ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: cannot read the file (not UTF-8 text: {error.reason} at byte "
+                         f"{error.start})") from None
+    try:
+        return yaml.load(text, Loader=_strict_loader())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        message = error.problem or error.context or "invalid YAML"
+        if error.problem and error.context:
+            started = (f" started at line {error.context_mark.line + 1}"
+                       if error.context_mark is not None and error.context_mark.line != mark.line else "")
+            message += f" ({error.context}{started})"
+        raise ValueError(f"{where}: {' '.join(message.split())}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: {' '.join(str(error).split())}") from None
+
+
+def load_yaml_mapping(path: str | Path) -> dict:
+    """:func:`load_yaml_file` for a config file: a mapping of keys (an empty file is ``{}``)."""
+    values = load_yaml_file(path)
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    return dict(values)
+
+
+class YamlFloat(float):
+    """A float YAML read from text with underscores (``0.5_2`` -> 0.52); ``yaml_text`` is that text."""
+
+    yaml_text: str
+
+
+class YamlInt(int):
+    """An int YAML read from text with underscores (``1_3`` -> 13); ``yaml_text`` is that text."""
+
+    yaml_text: str
+
+
+_LOADER = None
+
+
+def _strict_loader():
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                        continue  # merge keys (<<) may be overridden; complex keys are left to PyYAML
+                    key = self.construct_object(key_node, deep=True)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r} (first at line {seen[key].line + 1})",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
+
+    def number(kind, construct):
+        def constructor(loader, node):
+            value = construct(loader, node)
+            if "_" in str(node.value) and type(value) in (int, float):
+                value = kind(value)
+                value.yaml_text = node.value
+            return value
+        return constructor
+
+    StrictLoader.add_constructor("tag:yaml.org,2002:float",
+                                 number(YamlFloat, yaml.constructor.SafeConstructor.construct_yaml_float))
+    StrictLoader.add_constructor("tag:yaml.org,2002:int",
+                                 number(YamlInt, yaml.constructor.SafeConstructor.construct_yaml_int))
+    _LOADER = StrictLoader
+    return _LOADER
 
 
 # ---------------------------------------------------------------------- validation helpers
@@ -242,6 +339,15 @@ def _as_positive(key: str, value: Any, *, default: float | None = None, required
 
 def _as_range(key: str, value: Any) -> tuple[float, float]:
     """A ratio range written "L_U" (verl) or [L, U]; 0 < L < U."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = getattr(value, "yaml_text", None)
+        if text is not None:  # YAML 1.1 read an unquoted L_U as one number: underscores are digit separators
+            parts = text.split("_")
+            listed = f"[{parts[0]}, {parts[1]}]" if len(parts) == 2 else "[L, U]"
+            raise ValueError(f"{key}: {text} is invalid: YAML reads an unquoted {text} as the number {value!r} "
+                             f"(underscores are digit separators); quote it (\"{text}\") or write {listed}")
+        raise ValueError(f"{key}={value!r} is invalid: a range is two numbers, \"L_U\" (quoted in YAML: unquoted, "
+                         "0.5_2 is the number 0.52) or [L, U] with 0 < L < U")
     parts = value.split("_") if isinstance(value, str) else value
     if not isinstance(parts, (list, tuple)) or len(parts) != 2:
         raise ValueError(f"{key}={value!r} is invalid: allowed values are a ratio range \"L_U\" (e.g. \"0.5_2.0\") "

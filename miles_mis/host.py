@@ -20,8 +20,10 @@ Divide by the number of sequences (tokens) for a mean.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,9 +38,17 @@ LOG_RATIO_CLAMP = 20.0
 
 
 # --------------------------------------------------------------------------- flags
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with every flag's default, and descriptions printed as written."""
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Add the host's flags (miles spellings) to ``parser`` (a new one if None)."""
-    parser = parser or argparse.ArgumentParser(description="miles_mis reference host flags")
+    """Add the host's flags (miles spellings) to ``parser`` (a new one if None).
+
+    The help strings carry their defaults, so a host's own parser shows them whatever its formatter.
+    """
+    parser = parser or argparse.ArgumentParser(description="miles_mis reference host flags",
+                                               formatter_class=HelpFormatter)
     group = parser.add_argument_group("policy loss (miles flags)")
     group.add_argument("--use-tis", action="store_true", default=False,
                        help="decoupled 3-policy PPO: multiply the loss by the IS weight π_old/π_rollout")
@@ -47,21 +57,29 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument("--get-mismatch-metrics", action="store_true", default=False,
                        help="call the custom correction function for its metrics only")
     group.add_argument("--custom-tis-function-path", default=None,
-                       help="correction function: pkg.module.func or path/to/file.py:func")
+                       help="correction function: pkg.module.func or path/to/file.py:func (default: %(default)s)")
     group.add_argument("--custom-config-path", default=None,
-                       help="YAML file whose top-level keys are set on the parsed args")
-    group.add_argument("--tis-clip", type=float, default=2.0, help="built-in vanilla TIS upper bound")
-    group.add_argument("--tis-clip-low", type=float, default=0.0, help="built-in vanilla TIS lower bound")
-    group.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range below 1")
-    group.add_argument("--eps-clip-high", type=float, default=None, help="PPO clip range above 1 (default eps-clip)")
-    group.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant (> 1) for A < 0")
+                       help="YAML file whose top-level keys are set on the parsed args, each checked like its "
+                            "flag (default: %(default)s)")
+    group.add_argument("--tis-clip", type=float, default=2.0,
+                       help="built-in vanilla TIS upper bound, > 0 (default: %(default)s)")
+    group.add_argument("--tis-clip-low", type=float, default=0.0,
+                       help="built-in vanilla TIS lower bound, >= 0 and < --tis-clip (default: %(default)s)")
+    group.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range below 1, > 0 (default: %(default)s)")
+    group.add_argument("--eps-clip-high", type=float, default=None,
+                       help="PPO clip range above 1, > 0 (default: %(default)s = --eps-clip)")
+    group.add_argument("--eps-clip-c", type=float, default=None,
+                       help="dual-clip constant (> 1) for A < 0 (default: %(default)s = off)")
     group.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                        help="sum over tokens instead of the mean of per-sequence means")
-    group.add_argument("--loss-type", choices=("ppo", "reinforce"), default="ppo")
+    group.add_argument("--loss-type", choices=("ppo", "reinforce"), default="ppo",
+                       help="policy-gradient loss (default: %(default)s)")
     group.add_argument("--use-opsm", action="store_true", default=False,
                        help="off-policy sequence masking (DeepSeek-V3.2)")
-    group.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold δ on the sequence KL")
-    group.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd")
+    group.add_argument("--opsm-delta", type=float, default=1e-4,
+                       help="OPSM threshold δ on the sequence KL, >= 0 (default: %(default)s)")
+    group.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd",
+                       help="packed (thd) or padded (bshd) sequences (default: %(default)s)")
     return parser
 
 
@@ -71,26 +89,181 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
     miles and slime validate before merging the YAML, so a YAML can enable use_tis together with
     use_rollout_logprobs there; here every check sees the merged values.
     """
-    args = build_parser(parser).parse_args(argv)
-    merge_config_file(args)
+    parser = build_parser(parser)
+    args = parser.parse_args(argv)
+    merge_config_file(args, parser)
     validate_args(args)
     return args
 
 
-def merge_config_file(args: argparse.Namespace) -> None:
+def merge_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
+    """Set the top-level keys of ``--custom-config-path`` on ``args``, as miles does, but each value first goes
+    through what the command line does to its flag (:func:`convert_config_values`).
+
+    ``parser``: the parser that made ``args`` (a host that adds its own flags passes it, so that they are
+    checked too); default the host's flags. Unknown keys: see :func:`convert_config_values`.
+    """
     if not args.custom_config_path:
         return
-    import yaml
+    from .config import load_yaml_mapping
 
-    values = yaml.safe_load(Path(args.custom_config_path).read_text()) or {}
-    if not isinstance(values, Mapping):
-        raise ValueError(f"--custom-config-path {args.custom_config_path}: expected a mapping of keys")
-    for key, value in values.items():
+    path = str(args.custom_config_path)
+    values = load_yaml_mapping(path)
+    function_path = values.get("custom_tis_function_path", getattr(args, "custom_tis_function_path", None))
+    third_party = lambda: bool(function_path) and not _is_ours(load_function(str(function_path)))  # noqa: E731
+    for key, value in convert_config_values(values, parser or build_parser(), source=path,
+                                            pass_unknown=third_party).items():
         setattr(args, key, value)
 
 
+# Ranges of the numeric flags, checked at parse time for the command line and a YAML value alike:
+# dest -> (test on a finite number, the allowed values in words, whether None (unset) is allowed).
+FLAG_RANGES: dict[str, tuple[Callable[[float], bool], str, bool]] = {
+    "eps_clip": (lambda x: x > 0, "finite numbers > 0 (the PPO clip range below 1)", False),
+    "eps_clip_high": (lambda x: x > 0, "finite numbers > 0 (the PPO clip range above 1) or null", True),
+    "eps_clip_c": (lambda x: x > 1, "finite numbers > 1 (the dual-clip constant) or null", True),
+    "tis_clip": (lambda x: x > 0, "finite numbers > 0 (the built-in TIS upper bound)", False),
+    "tis_clip_low": (lambda x: x >= 0, "finite numbers >= 0 (the built-in TIS lower bound; 0 = none)", False),
+    "opsm_delta": (lambda x: x >= 0, "finite numbers >= 0 (the OPSM threshold on the sequence KL)", False),
+}
+
+
+def check_flag_range(dest: str, value: Any, where: str) -> None:
+    """ValueError ``WHERE: VALUE is invalid: allowed values are ...`` unless ``value`` is in ``dest``'s range."""
+    if dest not in FLAG_RANGES:
+        return
+    test, allowed, nullable = FLAG_RANGES[dest]
+    if value is None and nullable:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and test(value)):
+        raise ValueError(f"{where}: {value!r} is invalid: allowed values are {allowed}")
+
+
+def flag_name(dest: str, parser: argparse.ArgumentParser | None = None) -> str:
+    """The command-line spelling of ``dest`` (``eps_clip`` -> ``--eps-clip``)."""
+    for action in (parser._actions if parser is not None else ()):
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return "--" + dest.replace("_", "-")
+
+
+def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentParser | None = None, *,
+                          source: str, pass_unknown: Callable[[], bool] | bool = False) -> dict[str, Any]:
+    """The keys of a config file, each value converted and checked exactly as its flag on the command line.
+
+    A key that is a flag of ``parser`` (its dest: ``eps_clip`` for ``--eps-clip``) takes the flag's type
+    (applied to the text the command line would carry: ``1e-4`` read by YAML as a string is float("1e-4")),
+    choices and range (:data:`FLAG_RANGES`); a switch (store_true) takes only a YAML boolean; null only
+    where the flag's default is None. A miles_mis config key (``MisConfig.keys()``) passes unchanged:
+    ``MisConfig`` checks it when the function is miles_mis's. Any other key is an error with a did-you-mean,
+    unless ``pass_unknown`` (a bool, or a callable asked on the first unknown key) is true — a correction
+    function that is not miles_mis's may read keys of its own, as miles sets every key on args — and even then
+    a key within a typo of a known key is an error. Errors: ``SOURCE: key 'k' (--flag): ...``.
+    """
+    from .config import MisConfig
+
+    parser = parser or build_parser()
+    actions = {action.dest: action for action in parser._actions
+               if action.option_strings and action.default is not argparse.SUPPRESS}
+    known = tuple(actions) + tuple(k for k in MisConfig.keys() if k not in actions)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{source}: key {key!r} is invalid: keys are names (strings)")
+        if key in actions:
+            out[key] = _flag_value(actions[key], value, parser, f"{source}: key {key!r} ({flag_name(key, parser)})")
+            continue
+        if key not in known:
+            if callable(pass_unknown):
+                pass_unknown = bool(pass_unknown())
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.8 if pass_unknown else 0.6)
+            if not pass_unknown or close:
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                why = ("; it is passed to a custom correction function as is only when it is not a typo of a known "
+                       "key: rename it" if pass_unknown else
+                       f"; allowed keys: the flags ({', '.join(actions)}) and the miles_mis config keys "
+                       f"({', '.join(k for k in MisConfig.keys() if k not in actions)})")
+                raise ValueError(f"{source}: unknown key {key!r}{hint}{why}")
+        out[key] = value
+    return out
+
+
+_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+
+
+def _flag_value(action: argparse.Action, value: Any, parser: argparse.ArgumentParser, where: str) -> Any:
+    """``value`` (from YAML) converted and checked as the command line does it for ``action``'s flag."""
+    flag = max(action.option_strings, key=len)
+    if isinstance(action, _SWITCHES):
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: {_shown(value)} is invalid: {flag} is a switch, allowed values are the YAML "
+                         "booleans true or false (unquoted)")
+    if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse._AppendConstAction):
+        if value == action.const or value == action.default:
+            return value
+        raise ValueError(f"{where}: {_shown(value)} is invalid: allowed values are {action.const!r} (the flag given) "
+                         f"or {action.default!r}")
+    if isinstance(action, argparse._CountAction):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return int(value)
+        raise ValueError(f"{where}: {_shown(value)} is invalid: {flag} counts, allowed values are integers >= 0")
+    if not isinstance(action, (argparse._StoreAction, argparse._AppendAction)):
+        return value  # a host's own Action class: its meaning is unknown here
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+", argparse.REMAINDER) \
+        or isinstance(action.nargs, int)
+    if many:
+        if value is None and action.default is None:
+            return None
+        items = value if isinstance(value, list) else [value]
+        return [_flag_item(action, item, parser, where, flag) for item in items]
+    if value is None:
+        if action.default is None:
+            return None  # unset, as the flag's default
+        raise ValueError(f"{where}: null is invalid: {flag} has no unset value (default {action.default!r})")
+    return _flag_item(action, value, parser, where, flag)
+
+
+def _flag_item(action: argparse.Action, value: Any, parser: argparse.ArgumentParser, where: str, flag: str) -> Any:
+    type_func = parser._registry_get("type", action.type, action.type)
+    type_name = getattr(type_func, "__name__", repr(type_func)) if type_func is not None else "string"
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        kind = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+        raise ValueError(f"{where}: {_shown(value)} is invalid: {flag} takes one {type_name} value, not {kind}")
+    # the text the command line would carry: as written (YAML may read "1e-4" as a string), else the number
+    text = value if isinstance(value, str) else getattr(value, "yaml_text", None) or repr(value)
+    converted: Any = text
+    if type_func is not None:
+        try:
+            converted = type_func(text)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"{where}: {error}") from None
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: invalid {type_name} value: {text!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        from .config import _did_you_mean
+
+        hint = _did_you_mean(str(converted), tuple(str(c) for c in action.choices))
+        raise ValueError(f"{where}: invalid choice: {converted!r}{hint} (choose from "
+                         f"{', '.join(repr(c) for c in action.choices)})")
+    check_flag_range(action.dest, converted, where)
+    return converted
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def _is_ours(function: Callable) -> bool:
+    return getattr(function, "__module__", "").startswith("miles_mis")
+
+
 def validate_args(args: argparse.Namespace) -> None:
-    """Flag combinations; each error names the flags involved."""
+    """Flag ranges (:data:`FLAG_RANGES`) and combinations; each error names the flags involved."""
+    for dest in FLAG_RANGES:
+        if hasattr(args, dest):
+            check_flag_range(dest, getattr(args, dest), flag_name(dest))
     if getattr(args, "use_tis", False) and getattr(args, "use_rollout_logprobs", False):
         raise ValueError("--use-tis and --use-rollout-logprobs are mutually exclusive: decoupled PPO needs the "
                          "trainer's recomputed log-probs as π_old, bypass PPO replaces them by the rollout's "
@@ -101,29 +274,41 @@ def validate_args(args: argparse.Namespace) -> None:
     if getattr(args, "loss_type", "ppo") == "reinforce" and not (args.use_tis or args.use_rollout_logprobs):
         raise ValueError("--loss-type reinforce needs --use-tis or --use-rollout-logprobs: REINFORCE + IS weights "
                          "each token by an importance ratio against the rollout log-probs")
-    if getattr(args, "eps_clip_c", None) is not None and args.eps_clip_c <= 1.0:
-        raise ValueError(f"--eps-clip-c={args.eps_clip_c} is invalid: the dual-clip constant must be > 1")
-    if getattr(args, "use_opsm", False) and args.opsm_delta < 0:
-        raise ValueError(f"--opsm-delta={args.opsm_delta} is invalid with --use-opsm: allowed values are >= 0")
     if args.tis_clip_low >= args.tis_clip:
         raise ValueError(f"--tis-clip-low={args.tis_clip_low} must be smaller than --tis-clip={args.tis_clip}")
     if getattr(args, "custom_tis_function_path", None):
         function = load_function(args.custom_tis_function_path)  # fail at start-up, not at the first step
-        if getattr(function, "__module__", "").startswith("miles_mis"):
+        if _is_ours(function):
             from .config import MisConfig
 
-            MisConfig.from_args(args)  # the plugin's own config errors, early
+            try:
+                MisConfig.from_args(args)  # the plugin's own config errors, early
+            except ValueError as error:
+                config_path = getattr(args, "custom_config_path", None)
+                raise ValueError(f"{config_path}: {error}" if config_path else str(error)) from None
+
+
+# file plugins, executed once per process: resolved file path -> module
+_FILE_MODULES: dict[Path, Any] = {}
 
 
 def load_function(path: str) -> Callable:
-    """``pkg.module.func`` (import + getattr, as miles) or ``path/to/file.py:func``."""
+    """``pkg.module.func`` (import + getattr, as miles) or ``path/to/file.py:func``.
+
+    A file is executed once per process (cached by its resolved path), as an import would be: the host
+    calls this at start-up and on every policy-loss call.
+    """
     if ":" in path:
         file_path, _, name = path.rpartition(":")
-        spec = importlib.util.spec_from_file_location(Path(file_path).stem, file_path)
-        if spec is None or spec.loader is None or not Path(file_path).is_file():
-            raise ValueError(f"--custom-tis-function-path {path!r}: no Python file at {file_path!r}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        resolved = Path(file_path).resolve()
+        module = _FILE_MODULES.get(resolved)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(resolved.stem, resolved)
+            if spec is None or spec.loader is None or not resolved.is_file():
+                raise ValueError(f"--custom-tis-function-path {path!r}: no Python file at {file_path!r}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _FILE_MODULES[resolved] = module
     else:
         module_name, _, name = path.rpartition(".")
         try:

@@ -114,3 +114,104 @@ def test_bounds_outside_the_clamp_are_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ValueError, match="could never act"):
         MisConfig.from_yaml(path)
+
+
+# ---------------------------------------------------------------- YAML loading (shared by from_yaml, the host, check-config)
+def yaml_error(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_yaml(path)
+    assert "\n" not in str(info.value)
+    return str(info.value), path
+
+
+@pytest.mark.parametrize("text, where", [
+    ("use_rs: true\ntis_level: [token\n", "3:1"),         # unclosed flow sequence: found at the end of the file
+    ("use_rs: true\n  tis_level: token\n", "2:12"),      # bad indentation
+    ("tis_mode: 'clip\n", "2:1"),                        # unclosed quote
+    ("tis_mode: clip\n\ttis_level: token\n", "2:1"),     # a tab
+])
+def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path, text, where):
+    message, path = yaml_error(tmp_path, text)
+    assert message.startswith(f"{path}:{where}: ")
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    message, path = yaml_error(tmp_path, "tis_mode: clip\nuse_rs: true\ntis_mode: mask\n")
+    assert message == f"{path}:3:1: duplicate key 'tis_mode' (first at line 1)"
+    message, path = yaml_error(tmp_path, "rs_divergence:\n  seq_max_k3: 0.5\n  seq_max_k3: 0.4\n")
+    assert message == f"{path}:3:3: duplicate key 'seq_max_k3' (first at line 2)"
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    from miles_mis.config import load_yaml_mapping
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  y: 3\n")
+    assert load_yaml_mapping(path)["other"] == {"x": 1, "y": 3}
+
+
+def test_missing_or_unreadable_file_is_one_line(tmp_path):
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_yaml(tmp_path / "nope.yaml")
+    assert str(info.value) == f"{tmp_path / 'nope.yaml'}: cannot read the file (No such file or directory)"
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_yaml(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path}: cannot read the file")
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"tis_mode: \xff\xfe\n")
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_yaml(binary)
+    assert str(info.value).startswith(f"{binary}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, number, quoted, listed", [
+    ("tis_mode: icepop\ntis_bounds: 0.5_2\n", "0.52", '"0.5_2"', "[0.5, 2]"),
+    ("tis_mode: icepop\ntis_bounds: 1_3\n", "13", '"1_3"', "[1, 3]"),
+    ("rs_divergence:\n  seq_mean_k1: 0.999_1\n", "0.9991", '"0.999_1"', "[0.999, 1]"),
+    ("rs_divergence: {token_k1: 0.5_2}\n", "0.52", '"0.5_2"', "[0.5, 2]"),
+])
+def test_unquoted_underscore_range_read_as_a_number_says_to_quote_it(tmp_path, text, number, quoted, listed):
+    message, path = yaml_error(tmp_path, text)
+    assert message.startswith(f"{path}: ")
+    for word in [f"the number {number}", "underscores are digit separators", f"quote it ({quoted})",
+                 f"write {listed}"]:
+        assert word in message, message
+
+
+def test_a_number_for_a_range_from_python_still_explains_the_spelling():
+    with pytest.raises(ValueError, match=r"tis_bounds=0.52 is invalid: .*\"L_U\".*\[L, U\]"):
+        MisConfig(tis_bounds=0.52)
+
+
+def test_value_errors_of_a_file_name_the_file(tmp_path):
+    message, path = yaml_error(tmp_path, "tis_mode: truncated\n")
+    assert message.startswith(f"{path}: tis_mode='truncated' is invalid")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("use_rs: true\ntis_level: [token\n", [":3:1: "]),
+    ("tis_mode: clip\ntis_mode: mask\n", [":2:1: duplicate key 'tis_mode' (first at line 1)"]),
+    ("tis_bounds: 0.5_2\n", ['quote it ("0.5_2")']),
+    ("eps_clip: -1\n", ["key 'eps_clip' (--eps-clip)", "finite numbers > 0"]),   # host flags: as the host checks them
+    ("loss_type: foo\n", ["key 'loss_type'", "invalid choice: 'foo'"]),
+    ("use_opsm: 'no'\n", ["key 'use_opsm'", "true or false"]),
+    ("eps_clp: 0.1\n", ["unknown key 'eps_clp'", "did you mean 'eps_clip'"]),
+])
+def test_check_config_prints_one_error_line(tmp_path, text, words):
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "check-config", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"error: {path}")
+    for word in words:
+        assert word in out.stderr, out.stderr
+    missing = subprocess.run([sys.executable, "-m", "miles_mis.cli", "check-config", str(tmp_path / "nope.yaml")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr == f"error: {tmp_path / 'nope.yaml'}: cannot read the file " \
+                                                          "(No such file or directory)\n"

@@ -30,28 +30,29 @@ PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__, formatter_class=host.HelpFormatter)
     host.build_parser(parser)
     lab = parser.add_argument_group("lab")
-    lab.add_argument("--steps", type=int, default=60)
-    lab.add_argument("--seed", type=int, default=0)
-    lab.add_argument("--lr", type=float, default=1e-3)
-    lab.add_argument("--prompts-per-step", type=int, default=16)
-    lab.add_argument("--group-size", type=int, default=8)
+    lab.add_argument("--steps", type=int, default=60, help="RL steps (rollout batches), >= 0")
+    lab.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
+    lab.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the RL steps")
+    lab.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch")
+    lab.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group), >= 2")
     lab.add_argument("--num-minibatches", type=int, default=2, help="optimizer steps per rollout batch")
-    lab.add_argument("--num-digits", type=int, default=6)
+    lab.add_argument("--num-digits", type=int, default=6, help="digits to sort per prompt")
     lab.add_argument("--sft-steps", type=int, default=30,
                      help="supervised warm start before RL (the 'pretrained model'); 0 = RL from scratch")
-    lab.add_argument("--grad-clip", type=float, default=1.0)
-    lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
-    lab.add_argument("--rollout-weight-quant", choices=("none", "int8"), default="none")
+    lab.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16",
+                     help="the engine's compute dtype")
+    lab.add_argument("--rollout-weight-quant", choices=("none", "int8"), default="none",
+                     help="the engine's weight quantisation")
     lab.add_argument("--rollout-staleness", type=int, default=1, help="engine weights synced every K steps")
-    lab.add_argument("--rollout-temperature", type=float, default=1.0)
+    lab.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature")
     lab.add_argument("--rollout-logit-noise", type=float, default=0.0,
                      help="SYNTHETIC Gaussian noise (std) added to the engine's logits, for stress tests")
     lab.add_argument("--context-parallel-size", type=int, default=1, help="run under torchrun with this many ranks")
-    lab.add_argument("--out-dir", type=Path, default=Path("runs/lab"))
+    lab.add_argument("--out-dir", type=Path, default=Path("runs/lab"), help="metrics.jsonl and checkpoints")
     lab.add_argument("--save-interval", type=int, default=20, help="checkpoint every N steps (0 = never)")
     lab.add_argument("--resume", action="store_true", help="continue from out-dir/checkpoint.pt")
     lab.add_argument("--wandb-project", default=None, help="also log to W&B (WANDB_MODE=offline works)")
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    host.merge_config_file(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
     host.validate_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
