@@ -4,25 +4,43 @@ The context-parallel (CP) group comes from the host's ``parallel_state`` kwarg (
 ``.cp.rank``, ``.cp.size``); without it, from Megatron-core's ``parallel_state`` when that is
 initialised; otherwise CP size is 1 and no collective is issued.
 
-One call makes exactly one CP collective: an all-gather of a [rows, K] float64 table per rank
-(``exchange_seq_stats``). Row 0 is a header (batch size, error flag); rows 1..B carry each sequence's
-statistics and its lengths, so that ranks disagreeing on the batch are detected by the same
-collective and every rank raises the same error instead of hanging. Rows are padded to a multiple
-of ``ROW_BLOCK`` so that ranks which disagree on B by less than a block still exchange equal sizes.
+Fail together: a rank never raises alone before a collective its peers are waiting in. Every exchange
+starts with ``agree``: one all-gather of a fixed-size header per rank (error flag, sequence index and
+message of a local failure, batch size, table width, the effective config as text and its fingerprint,
+and a few float64 payload slots). Every rank decodes every header and takes the same decision: if any
+rank failed or the ranks disagree, every rank raises (the failing rank its own error, the others a
+``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence table exchanged
+(``exchange_seq_stats``), with sizes the ranks have just agreed on, so a CP call makes at most two
+collectives and never a mismatched one. The data-parallel normalisation (``dp_sum``) carries its
+numbers in the header's payload: one collective.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-ROW_BLOCK = 64  # rows are padded to a multiple of this
-HEADER = ("batch_size", "error", "error_sequence")  # header row, first columns
 LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
+_MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
+_INTS = "<6q"  # magic, error flag, error sequence, batch size, table width, config fingerprint
+PAYLOAD_SLOTS = 4
+_FLOATS = f"<{PAYLOAD_SLOTS}d"
+MESSAGE_BYTES, CONFIG_BYTES = 512, 1536
+HEADER_BYTES = struct.calcsize(_INTS) + struct.calcsize(_FLOATS) + MESSAGE_BYTES + CONFIG_BYTES
+
+
+class PeerFailure(ValueError):
+    """Raised on every rank whose peer failed or disagreed, so that no rank waits in a collective."""
+
+
+class CollectiveError(RuntimeError):
+    """The collective itself failed (a peer process exited, the group is broken)."""
 
 
 @dataclass(frozen=True)
@@ -91,50 +109,170 @@ def resolve_dp_group(parallel_state: Any = None) -> Group:
                  mpu.get_data_parallel_group(with_context_parallel=False))
 
 
-def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, local_error: Exception | None = None) -> Tensor:
-    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths -> [C, B, K].
+# --------------------------------------------------------------------------- agreement (fixed size)
+@dataclass(frozen=True)
+class Header:
+    """One rank's header, as every rank decodes it."""
 
-    Raises ValueError on every rank when a rank reported ``local_error`` or when the ranks disagree
-    on the batch size or on any sequence's lengths (the local rank re-raises its own error).
+    error: bool
+    error_sequence: int
+    batch_size: int
+    width: int
+    fingerprint: int
+    payload: tuple[float, ...]
+    message: str
+    config_text: str
+    magic_ok: bool = True
+
+
+def config_fingerprint(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def encode_header(*, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
+                  config_text: str = "", payload: Sequence[float] = ()) -> bytes:
+    message = "" if error is None else describe_error(error)
+    sequence = getattr(error, "sequence_index", -1) if error is not None else -1
+    values = list(payload) + [0.0] * (PAYLOAD_SLOTS - len(payload))
+    return (struct.pack(_INTS, _MAGIC, int(error is not None), int(sequence), int(batch_size), int(width),
+                        config_fingerprint(config_text))
+            + struct.pack(_FLOATS, *values)
+            + _fixed(message, MESSAGE_BYTES) + _fixed(config_text, CONFIG_BYTES))
+
+
+def decode_header(blob: bytes) -> Header:
+    ints_size, floats_size = struct.calcsize(_INTS), struct.calcsize(_FLOATS)
+    magic, error, sequence, batch_size, width, fingerprint = struct.unpack(_INTS, blob[:ints_size])
+    payload = struct.unpack(_FLOATS, blob[ints_size:ints_size + floats_size])
+    text = blob[ints_size + floats_size:]
+    return Header(bool(error), sequence, batch_size, width, fingerprint, payload,
+                  _unfixed(text[:MESSAGE_BYTES]), _unfixed(text[MESSAGE_BYTES:]), magic == _MAGIC)
+
+
+def _fixed(text: str, size: int) -> bytes:
+    data = text.encode("utf-8")[:size]
+    return data + b"\0" * (size - len(data))
+
+
+def _unfixed(data: bytes) -> str:
+    return data.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for a peer: the message, with the exception type unless it is a ValueError."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
+
+
+def agree(group: Group, name: str, *, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
+          config_text: str = "", payload: Sequence[float] = ()) -> list[Header]:
+    """One all-gather of a fixed-size header over ``group`` (``name`` "cp" or "dp" for messages).
+
+    Raises on every rank, with one message naming the rank and what is wrong, when any rank reports an
+    error (the rank that failed re-raises ``error`` itself), when the ranks' configs differ (the keys and
+    each rank's value), or when they disagree on the batch size or table width. Returns every header.
     """
+    blob = encode_header(error=error, batch_size=batch_size, width=width, config_text=config_text, payload=payload)
+    device = collective_device(group)
+    local = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+    gathered = local.new_empty(group.size * HEADER_BYTES)
+    _all_gather(gathered, local, group, name)
+    data = bytes(gathered.cpu().tolist())
+    headers = [decode_header(data[r * HEADER_BYTES:(r + 1) * HEADER_BYTES]) for r in range(group.size)]
+    me = f"{name} rank {group.rank} of {group.size}"
+    if not all(h.magic_ok for h in headers):
+        odd = [r for r, h in enumerate(headers) if not h.magic_ok]
+        raise PeerFailure(f"{name} rank(s) {odd} sent a header this miles_mis does not know (a different miles_mis "
+                          f"version on some ranks?); {me} stops too")
+    failed = [r for r, h in enumerate(headers) if h.error]
+    if failed:
+        if error is not None:
+            raise error
+        details = "; ".join(f"{name} rank {r}" + (f" at sequence {headers[r].error_sequence}"
+                                                   if headers[r].error_sequence >= 0 else "")
+                            + f": {headers[r].message}" for r in failed)
+        raise PeerFailure(f"{details} ({me} stops too, so that no rank waits in a collective)")
+    if len({h.fingerprint for h in headers}) > 1:
+        raise PeerFailure(f"{name} ranks disagree on the effective config: {_config_difference(headers, name)} "
+                          f"(every rank of a {name} group must run the same correction; {me} stops)")
+    for field, label in (("batch_size", "the number of sequences"), ("width", "the per-sequence table width")):
+        values = [getattr(h, field) for h in headers]
+        if len(set(values)) > 1:
+            raise PeerFailure(f"{name} ranks disagree on {label}: "
+                              + ", ".join(f"{name} rank {r} has {v}" for r, v in enumerate(values)))
+    return headers
+
+
+def _config_difference(headers: list[Header], name: str) -> str:
+    """The keys whose values differ, with each rank's value (from the config texts)."""
+    parsed = [dict(line.split("=", 1) for line in h.config_text.splitlines() if "=" in line) for h in headers]
+    keys = sorted(set().union(*parsed))
+    differing = [k for k in keys if len({p.get(k, "<missing>") for p in parsed}) > 1]
+    if not differing:
+        return "the configs differ beyond what the header can show (fingerprints differ)"
+    return "; ".join(f"{key}: " + ", ".join(f"{name} rank {r} has {p.get(key, '<missing>')}"
+                                            for r, p in enumerate(parsed)) for key in differing)
+
+
+def collective_device(group: Group) -> torch.device:
+    """Where this group's collectives take tensors: the current CUDA device for NCCL, else the CPU."""
     import torch.distributed as dist
 
-    num_seqs, width = stats.shape[0], stats.shape[1] + lengths.shape[1]
-    rows = ROW_BLOCK * ((num_seqs + 1 + ROW_BLOCK - 1) // ROW_BLOCK)
-    table = torch.zeros((rows, max(width, len(HEADER))), dtype=torch.float64, device=stats.device)
-    table[0, 0] = num_seqs
-    if local_error is not None:
-        table[0, 1] = 1.0
-        table[0, 2] = getattr(local_error, "sequence_index", -1)
-    else:
-        table[1:num_seqs + 1, :stats.shape[1]] = stats
-        table[1:num_seqs + 1, stats.shape[1]:width] = lengths
-    gathered = table.new_empty((cp.size * table.shape[0], table.shape[1]))  # ranks concatenated along dim 0
+    try:
+        backend = dist.get_backend(group.group)
+    except (RuntimeError, ValueError):
+        backend = None
+    if backend is not None and "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather(output: Tensor, tensor: Tensor, group: Group, name: str) -> None:
+    import torch.distributed as dist
+
     # all_gather_single is the new name (torch >= 2.13) of all_gather_into_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, table, group=cp.group)
-    gathered = gathered.view(cp.size, *table.shape)
+    try:
+        all_gather(output, tensor, group=group.group)
+    except RuntimeError as error:  # gloo: "Connection closed by peer" when a rank exited, and the like
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CollectiveError(f"the {name} exchange failed on {name} rank {group.rank} of {group.size} (a peer "
+                              f"process exited or the process group is broken): {first}") from error
 
-    failed = (gathered[:, 0, 1] > 0).nonzero().flatten().tolist()
-    if failed:
-        if local_error is not None:
-            raise local_error
-        details = ", ".join(f"rank {r} at sequence {int(gathered[r, 0, 2])}" for r in failed)
-        raise ValueError(f"context-parallel rank(s) rejected their inputs ({details}); this rank (cp rank "
-                         f"{cp.rank}) stops too so that no rank waits in a collective")
-    sizes = gathered[:, 0, 0].long().tolist()
-    if len(set(sizes)) > 1:
-        raise ValueError("context-parallel ranks disagree on the number of sequences: "
-                         + ", ".join(f"cp rank {r} has {b}" for r, b in enumerate(sizes)))
-    seq_lengths = gathered[:, 1:num_seqs + 1, stats.shape[1]:width]
+
+# --------------------------------------------------------------------------- the O(B) exchange
+def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group) -> Tensor:
+    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths -> [C, B, K].
+
+    Call only after ``agree`` (same B and K on every rank). Raises on every rank when the ranks
+    disagree on any sequence's lengths (the comparison runs on the gathered, identical data).
+    """
+    num_seqs, num_stats = stats.shape
+    if num_seqs == 0:  # agreed: every rank has B = 0, nothing to exchange
+        return stats.new_zeros((cp.size, 0, num_stats))
+    table = torch.cat([stats.double(), lengths.to(device=stats.device, dtype=torch.float64)], dim=1).contiguous()
+    gathered = table.new_empty((cp.size * num_seqs, table.shape[1]))  # ranks concatenated along dim 0
+    _all_gather(gathered, table, cp, "cp")
+    gathered = gathered.view(cp.size, num_seqs, table.shape[1])
+    seq_lengths = gathered[:, :, num_stats:]
     differs = (seq_lengths != seq_lengths[:1]).any(dim=2).any(dim=0)
     if bool(differs.any()):
         i = int(differs.nonzero()[0])
         values = "; ".join(f"cp rank {r}: " + ", ".join(f"{name}={int(v)}" for name, v in
                                                         zip(LENGTH_COLUMNS, seq_lengths[r, i].tolist()))
                            for r in range(cp.size))
-        raise ValueError(f"sequence {i}: context-parallel ranks disagree on its lengths ({values})")
-    return gathered[:, 1:num_seqs + 1, :stats.shape[1]].to(stats.dtype)
+        raise PeerFailure(f"sequence {i}: context-parallel ranks disagree on its lengths ({values})")
+    return gathered[:, :, :num_stats].to(stats.dtype)
+
+
+def dp_sum(values: Tensor, group: Group, config_text: str) -> Tensor:
+    """Sum a few numbers (at most PAYLOAD_SLOTS) over the data-parallel group inside the agreement header:
+    one collective, and a failed or differently configured DP rank makes every rank raise."""
+    if group.size == 1:
+        return values
+    headers = agree(group, "dp", config_text=config_text, payload=values.detach().double().cpu().tolist())
+    total = [sum(h.payload[i] for h in headers) for i in range(values.numel())]
+    return torch.tensor(total, dtype=torch.float64).to(device=values.device, dtype=values.dtype)
 
 
 def all_reduce_sum(values: Tensor, group: Group) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import core, distributed
 from .config import MisConfig
-from .layout import zigzag_layout
+from .layout import QKV_FORMATS, zigzag_layout
 
 
 class InputError(ValueError):
@@ -44,13 +44,12 @@ def compute_mis_weights_with_cp(
     """miles entry point: returns (pg_loss × local IS weights, full-length modified masks, ``mis_`` metrics).
 
     ``train_log_probs``/``rollout_log_probs`` are this CP rank's shards, ``loss_masks`` full length.
-    Metrics are 1-D tensors aligned with the local ``pg_loss``. Unknown kwargs are ignored.
+    Metrics are 1-D tensors aligned with the local ``pg_loss``. Unknown kwargs are ignored. Any failure
+    on any CP rank (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
     """
-    config = MisConfig.from_args(args)
-    cp = distributed.resolve_cp_group(parallel_state)
-    qkv_format = getattr(args, "qkv_format", None) or "thd"
-    return _run(config, cp, _dp_group(config, parallel_state), qkv_format, pg_loss, train_log_probs,
-                rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens)
+    cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
+    return _run(args, cp, parallel_state, pg_loss,
+                (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens))
 
 
 def compute_mis_weights_fsdp(
@@ -63,10 +62,9 @@ def compute_mis_weights_fsdp(
     **kwargs: Any,
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """Entry point for hosts without context parallelism (miles' FSDP backend): full sequences."""
-    config = MisConfig.from_args(args)
-    return _run(config, distributed.SINGLE, _dp_group(config, kwargs.get("parallel_state")), "thd", pg_loss,
-                train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
-                kwargs.get("response_lengths"), None)
+    return _run(args, distributed.SINGLE, kwargs.get("parallel_state"), pg_loss,
+                (train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
+                 kwargs.get("response_lengths"), None), qkv_format="thd")
 
 
 def compute_mis_weights(
@@ -98,35 +96,93 @@ def _dp_group(config: MisConfig, parallel_state: Any) -> distributed.Group:
     return distributed.SINGLE
 
 
-def _run(config: MisConfig, cp: distributed.Group, dp: distributed.Group, qkv_format: str, pg_loss: Tensor,
-         train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens):
-    local_error = None
+def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
+    """The DP group a rank whose config failed to build would have used, read from the raw attributes: such
+    a rank must still join its DP peers' normalisation exchange (with its error) so that they do not wait."""
+    wants = (getattr(args, "tis_batch_normalize_scope", None) == "dp" and getattr(args, "use_tis", False) is True
+             and getattr(args, "tis_batch_normalize", False) is True)
     try:
-        packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
-                                response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp,
-                                qkv_format=qkv_format)
-        if pg_loss.dim() != 1 or pg_loss.numel() != packed.batch.train_log_probs.numel():
-            raise InputError(f"pg_loss has shape {tuple(pg_loss.shape)} but the {packed.batch.num_seqs} sequences "
-                             f"hold {packed.batch.train_log_probs.numel()} local tokens: expected shape "
-                             f"({packed.batch.train_log_probs.numel()},)")
-    except InputError as error:
-        if cp.size == 1:
-            raise
-        local_error, packed = error, None  # still join the collective, so every rank raises instead of hanging
+        return distributed.resolve_dp_group(parallel_state) if wants else distributed.SINGLE
+    except Exception:  # noqa: BLE001 (no group to join: the error is raised locally below)
+        return distributed.SINGLE
 
-    if packed is not None:
-        batch = packed.batch
-        terms = core.token_terms(batch, config)
-        stats = core.local_seq_stats(batch, terms, config)
-    if cp.size > 1:
-        num_seqs = len(loss_masks) if packed is None else batch.num_seqs
-        local = stats if packed is not None else torch.zeros(num_seqs, core.num_columns(config))
-        lengths = packed.length_table if packed is not None else torch.zeros(num_seqs, 3)
-        stats = core.combine_seq_stats(distributed.exchange_seq_stats(local, lengths, cp, local_error),
-                                       config).float()
-    reduce = None if dp.size == 1 else (lambda parts: distributed.all_reduce_sum(parts, dp))
-    correction = core.finalize(batch, terms, stats, config, reduce_normalizer=reduce)
 
+def config_text(config: MisConfig, qkv_format: str) -> str:
+    """The effective settings of a call as "key=value" lines: compared across ranks (fingerprint) and shown
+    key by key when they differ."""
+    values = dict(config.to_dict(), qkv_format=qkv_format)
+    return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
+
+
+def _qkv_format(args: Any) -> str:
+    value = getattr(args, "qkv_format", None) or "thd"
+    if value not in QKV_FORMATS:
+        raise ValueError(f"qkv_format={value!r} is invalid: allowed values are {', '.join(QKV_FORMATS)}")
+    return value
+
+
+@dataclass
+class _Local:
+    """What a rank computes before talking to its peers."""
+
+    config: MisConfig
+    packed: PackedInputs
+    terms: core.TokenTerms
+    stats: Tensor
+    text: str
+
+
+def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None) -> _Local:
+    config = MisConfig.from_args(args)
+    qkv_format = qkv_format or _qkv_format(args)
+    train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens = inputs
+    packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
+                            response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format)
+    num_tokens = packed.batch.train_log_probs.numel()
+    if not isinstance(pg_loss, Tensor) or pg_loss.dim() != 1 or pg_loss.numel() != num_tokens:
+        shape = tuple(pg_loss.shape) if isinstance(pg_loss, Tensor) else type(pg_loss).__name__
+        raise InputError(f"pg_loss has shape {shape} but the {packed.batch.num_seqs} sequences hold {num_tokens} "
+                         f"local tokens: expected shape ({num_tokens},)")
+    terms = core.token_terms(packed.batch, config)
+    stats = core.local_seq_stats(packed.batch, terms, config)
+    return _Local(config, packed, terms, stats, config_text(config, qkv_format))
+
+
+def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
+         qkv_format: str | None = None):
+    """Prepare locally, agree with the CP peers, exchange the per-sequence table, finalize.
+
+    Any exception before the exchange is carried into the agreement header instead of being raised alone,
+    so every CP rank (and, with the dp normalisation scope, every DP rank) raises together.
+    """
+    local = error = None
+    dp = distributed.SINGLE
+    try:
+        local = _prepare(args, cp, pg_loss, inputs, qkv_format)
+        dp = _dp_group(local.config, parallel_state)
+    except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
+        error = failure
+        if local is None:
+            dp = _dp_group_of_raw_args(args, parallel_state)
+    text = "" if local is None else local.text
+    try:
+        if cp.size > 1:
+            distributed.agree(cp, "cp", error=error, batch_size=-1 if local is None else local.packed.batch.num_seqs,
+                              width=-1 if local is None else local.stats.shape[1], config_text=text)
+            stats = distributed.exchange_seq_stats(local.stats, local.packed.length_table, cp)
+            stats = core.combine_seq_stats(stats, local.config).float()
+        elif error is not None:
+            raise error
+        else:
+            stats = local.stats
+    except Exception as failure:  # noqa: BLE001
+        if dp.size > 1:  # tell the data-parallel peers waiting in the normalisation exchange, then raise
+            distributed.agree(dp, "dp", error=failure, config_text=text)
+        raise
+
+    config, packed = local.config, local.packed
+    reduce = None if dp.size == 1 else (lambda parts: distributed.dp_sum(parts, dp, text))
+    correction = core.finalize(packed.batch, local.terms, stats, config, reduce_normalizer=reduce)
     if correction.weights is not None:
         weighted = pg_loss * correction.weights.to(pg_loss.dtype)
         # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0

@@ -124,7 +124,11 @@ def fault_worker(rank, size):
 
 
 def count_collectives_worker(rank, size):
-    """Exactly one collective per call, whatever the batch size."""
+    """Exactly two collectives per call, whatever the batch size: the fixed-size agreement header, then the
+    O(B) table."""
+    from miles_mis.core import num_columns
+    from miles_mis.distributed import HEADER_BYTES
+
     calls = []
     original = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -139,10 +143,11 @@ def count_collectives_worker(rank, size):
             full, pg_loss = make_full_batch(seed=num_seqs, num_seqs=num_seqs)
             kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
             before = len(calls)
-            args = SimpleNamespace(**MisConfig(use_tis=True, use_rs=True, rs_level="geometric",
-                                               rs_veto_threshold=1e-4, tis_batch_normalize=True).to_dict())
-            compute_mis_weights_with_cp(args, pg_loss=local_pg, parallel_state=cp_state(rank, size), **kwargs)
-            assert len(calls) == before + 1
+            config = MisConfig(use_tis=True, use_rs=True, rs_level="geometric", rs_veto_threshold=1e-4,
+                               tis_batch_normalize=True)
+            compute_mis_weights_with_cp(SimpleNamespace(**config.to_dict()), pg_loss=local_pg,
+                                        parallel_state=cp_state(rank, size), **kwargs)
+            assert calls[before:] == [HEADER_BYTES, num_seqs * (num_columns(config) + 3)]
     finally:
         setattr(dist, name, original)
 
@@ -152,7 +157,7 @@ def test_cp_equals_cp1_for_every_combination(size):
     spawn(equality_worker, size)
 
 
-def test_cp_faults_raise_on_every_rank_and_one_collective_per_call():
+def test_cp_faults_raise_on_every_rank_and_two_collectives_per_call():
     spawn(_faults_and_count, 2)
 
 
