@@ -150,7 +150,10 @@ def decode_header(blob: bytes) -> Header:
 
 
 def _fixed(text: str, size: int) -> bytes:
-    data = text.encode("utf-8")[:size]
+    """UTF-8, cut at a character boundary with "..." when too long, zero-padded to ``size`` bytes."""
+    data = text.encode("utf-8")
+    if len(data) > size:
+        data = data[:size - 3].decode("utf-8", errors="ignore").encode("utf-8") + b"..."
     return data + b"\0" * (size - len(data))
 
 

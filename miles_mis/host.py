@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -384,55 +385,23 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     ``total_lengths``, optional ``max_seq_lens``.
     """
     cp = distributed.resolve_cp_group(parallel_state)
-    response_lengths = [int(n) for n in batch["response_lengths"]]
-    total_lengths = [int(n) for n in batch["total_lengths"]]
-    loss_masks = list(batch["loss_masks"])
-    max_seq_lens = batch.get("max_seq_lens")
-    local_lengths = [t.numel() for t in log_probs]
-
-    # this rank's positions in the full masks (None at cp 1) and each local token's sequence
-    positions = None
+    # fail together: a rank whose batch is bad tells its CP peers (one fixed-size exchange) before anyone
+    # enters the OPSM or plugin collectives, and every rank raises the same error
+    try:
+        prepared, error = _prepare_batch(args, batch, log_probs, cp), None
+    except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
+        prepared, error = None, failure
     if cp.size > 1:
-        layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), cp.rank, cp.size,
-                               args.qkv_format, None if max_seq_lens is None else torch.tensor(max_seq_lens))
-        # agree before raising: a rank that raised alone would leave the others waiting in the plugin's collective
-        bad = float(layout.local_lengths.tolist() != local_lengths)
-        if distributed.all_reduce_sum(torch.tensor([bad], dtype=torch.float64), cp).item() > 0:
-            raise ValueError(f"log_probs shard lengths do not match the zigzag layout on at least one CP rank (this "
-                             f"rank {cp.rank} of {cp.size}: {local_lengths} vs {layout.local_lengths.tolist()})")
-        offsets = torch.cumsum(torch.tensor([0] + response_lengths[:-1]), 0)
-        positions = layout.positions(offsets)
-    elif local_lengths != response_lengths:
-        raise ValueError(f"log_probs lengths {local_lengths} differ from response_lengths {response_lengths}")
-    seq_index = torch.repeat_interleave(torch.arange(len(local_lengths)), torch.tensor(local_lengths, dtype=torch.long))
-    full_mask = torch.cat(loss_masks).float() if loss_masks else torch.zeros(0)
-    active = full_mask if positions is None else full_mask.index_select(0, positions)
-    denominators = torch.stack([m.float().sum() for m in loss_masks]) if loss_masks else torch.zeros(0)
-    reduce = Reducer(loss_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
-
-    rollout = batch.get("rollout_log_probs")
-    rollout = None if rollout is None else [t.detach().float() for t in rollout]
-    if (args.use_rollout_logprobs or args.use_tis or args.loss_type == "reinforce") and rollout is None:
-        raise ValueError("batch has no rollout_log_probs, but --use-rollout-logprobs, --use-tis or "
-                         "--loss-type reinforce needs the rollout engine's log-probs")
-    recomputed = None if batch.get("log_probs") is None else [t.detach().float() for t in batch["log_probs"]]
-    if args.use_rollout_logprobs:
-        old = rollout
-    elif recomputed is None:
-        raise ValueError("batch has no log_probs (π_old recomputed by the trainer): pass them, or use "
-                         "--use-rollout-logprobs to use the rollout log-probs instead")
-    else:
-        old = recomputed
-    # what the plugin and the train/rollout metric compare with the rollout: the trainer's log-probs when
-    # it computed them (in bypass too), else π_old itself
-    trainer_scored = recomputed if recomputed is not None else old
-
-    current = torch.cat(list(log_probs)).float() if log_probs else torch.zeros(0, requires_grad=True)
-    old_flat = torch.cat(old) if old else torch.zeros(0)
-    # as miles: NaN/inf advantages and log-ratios on trained tokens become 0, untrained tokens are 0
-    advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
-    advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
-    ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
+        distributed.agree(cp, "cp", error=error, batch_size=-1 if prepared is None else len(prepared.loss_masks),
+                          config_text=host_config_text(args))
+    elif error is not None:
+        raise error
+    p = prepared
+    response_lengths, total_lengths, loss_masks, max_seq_lens = (p.response_lengths, p.total_lengths, p.loss_masks,
+                                                                 p.max_seq_lens)
+    positions, seq_index, active, denominators, reduce = p.positions, p.seq_index, p.active, p.denominators, p.reduce
+    rollout, old, trainer_scored, current = p.rollout, p.old, p.trainer_scored, p.current
+    advantages, ppo_kl = p.advantages, p.ppo_kl
 
     metrics: dict[str, Any] = {}
     if args.loss_type == "ppo":
@@ -474,6 +443,84 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     if current.numel() == 0 and log_probs:  # keep the graph connected for an empty shard
         loss = loss + 0.0 * sum(t.sum() for t in log_probs)
     return loss, metrics
+
+
+# flags that change which collectives a host call makes, or what it computes: equal on every CP rank
+AGREED_FLAGS = ("use_tis", "use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "loss_type",
+                "use_opsm", "opsm_delta", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
+                "qkv_format", "tis_clip", "tis_clip_low")
+
+
+def host_config_text(args: argparse.Namespace) -> str:
+    return "\n".join(f"{name}={getattr(args, name, None)!r}" for name in AGREED_FLAGS)
+
+
+def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: Sequence[Tensor],
+                   cp: distributed.Group) -> SimpleNamespace:
+    """Everything a rank computes from its own batch before any collective (errors are agreed on)."""
+    response_lengths = [int(n) for n in batch["response_lengths"]]
+    total_lengths = [int(n) for n in batch["total_lengths"]]
+    loss_masks = list(batch["loss_masks"])
+    max_seq_lens = batch.get("max_seq_lens")
+    local_lengths = [t.numel() for t in log_probs]
+    if not len(response_lengths) == len(total_lengths) == len(loss_masks) == len(local_lengths):
+        raise ValueError(f"batch disagrees on the number of sequences: log_probs has {len(local_lengths)}, "
+                         f"loss_masks {len(loss_masks)}, response_lengths {len(response_lengths)}, total_lengths "
+                         f"{len(total_lengths)}")
+
+    # this rank's positions in the full masks (None at cp 1) and each local token's sequence
+    positions = None
+    if cp.size > 1:
+        layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), cp.rank, cp.size,
+                               args.qkv_format, None if max_seq_lens is None else torch.tensor(max_seq_lens))
+        expected = layout.local_lengths.tolist()
+        if expected != local_lengths:
+            i = next(i for i, (n, e) in enumerate(zip(local_lengths, expected)) if n != e)
+            raise ValueError(f"sequence {i}: log_probs has {local_lengths[i]} tokens on cp rank {cp.rank} of "
+                             f"{cp.size}, but the zigzag layout ({args.qkv_format}) gives this rank {expected[i]}")
+        offsets = torch.cumsum(torch.tensor([0] + response_lengths[:-1]), 0)
+        positions = layout.positions(offsets)
+    elif local_lengths != response_lengths:
+        raise ValueError(f"log_probs lengths {local_lengths} differ from response_lengths {response_lengths}")
+    for key in ("advantages", "log_probs", "rollout_log_probs"):
+        values = batch.get(key)
+        if values is not None and [t.numel() for t in values] != local_lengths:
+            i = next((i for i, (t, n) in enumerate(zip(values, local_lengths)) if t.numel() != n), len(local_lengths))
+            raise ValueError(f"sequence {i}: batch[{key!r}] does not have this rank's local lengths of log_probs "
+                             f"({[t.numel() for t in values]} vs {local_lengths})")
+    seq_index = torch.repeat_interleave(torch.arange(len(local_lengths)), torch.tensor(local_lengths, dtype=torch.long))
+    full_mask = torch.cat(loss_masks).float() if loss_masks else torch.zeros(0)
+    active = full_mask if positions is None else full_mask.index_select(0, positions)
+    denominators = torch.stack([m.float().sum() for m in loss_masks]) if loss_masks else torch.zeros(0)
+    reduce = Reducer(loss_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
+
+    rollout = batch.get("rollout_log_probs")
+    rollout = None if rollout is None else [t.detach().float() for t in rollout]
+    if (args.use_rollout_logprobs or args.use_tis or args.loss_type == "reinforce") and rollout is None:
+        raise ValueError("batch has no rollout_log_probs, but --use-rollout-logprobs, --use-tis or "
+                         "--loss-type reinforce needs the rollout engine's log-probs")
+    recomputed = None if batch.get("log_probs") is None else [t.detach().float() for t in batch["log_probs"]]
+    if args.use_rollout_logprobs:
+        old = rollout
+    elif recomputed is None:
+        raise ValueError("batch has no log_probs (π_old recomputed by the trainer): pass them, or use "
+                         "--use-rollout-logprobs to use the rollout log-probs instead")
+    else:
+        old = recomputed
+    # what the plugin and the train/rollout metric compare with the rollout: the trainer's log-probs when
+    # it computed them (in bypass too), else π_old itself
+    trainer_scored = recomputed if recomputed is not None else old
+
+    current = torch.cat(list(log_probs)).float() if log_probs else torch.zeros(0, requires_grad=True)
+    old_flat = torch.cat(old) if old else torch.zeros(0)
+    # as miles: NaN/inf advantages and log-ratios on trained tokens become 0, untrained tokens are 0
+    advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
+    advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
+    ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
+    return SimpleNamespace(response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
+                           max_seq_lens=max_seq_lens, positions=positions, seq_index=seq_index, active=active,
+                           denominators=denominators, reduce=reduce, rollout=rollout, old=old,
+                           trainer_scored=trainer_scored, current=current, advantages=advantages, ppo_kl=ppo_kl)
 
 
 def opsm_keep(behaviour: Sequence[Tensor], log_probs: Sequence[Tensor], advantages: Sequence[Tensor],
