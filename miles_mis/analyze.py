@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .core import LOG_PROB_BOUND
 from .config import MisConfig, preset_files
 from .plugin import compute_mis_weights
 
@@ -279,16 +280,21 @@ def _listing(problems: list[str]) -> str:
 
 
 # --------------------------------------------------------------------------- statistics
+def _is_log_prob(values: Tensor) -> Tensor:
+    """As the plugin: NaN, ±inf and fill values (|log p| ≥ LOG_PROB_BOUND) are not log-probs ("non-finite")."""
+    return values.abs() < LOG_PROB_BOUND
+
+
 def mismatch_summary(dump: Dump) -> dict[str, float | None]:
     """Token- and sequence-level mismatch statistics over valid tokens (None: no finite token to compute it on)."""
     train = torch.cat(dump.train_log_probs).double()
     rollout = torch.cat(dump.rollout_log_probs).double()
     mask = torch.cat(dump.loss_masks) > 0
-    finite = torch.isfinite(train) & torch.isfinite(rollout)
+    finite = _is_log_prob(train) & _is_log_prob(rollout)
     usable = mask & finite
     ell = (train - rollout)[usable]
     rho = ell.clamp(-20, 20).exp()
-    seq_sums = torch.tensor([float((t.double() - r.double())[(m > 0) & torch.isfinite(t) & torch.isfinite(r)].sum())
+    seq_sums = torch.tensor([float((t.double() - r.double())[(m > 0) & _is_log_prob(t) & _is_log_prob(r)].sum())
                              for t, r, m in zip(dump.train_log_probs, dump.rollout_log_probs, dump.loss_masks)])
     lengths = torch.tensor([float((m > 0).sum()) for m in dump.loss_masks])
     valid = max(int(mask.sum()), 1)
@@ -302,8 +308,8 @@ def mismatch_summary(dump: Dump) -> dict[str, float | None]:
         "valid tokens": float(mask.sum()),
         "mean response length": float(lengths.mean()) if lengths.numel() else 0.0,
         "non-finite token fraction": float((mask & ~finite).sum()) / valid,
-        "non-finite engine log-prob fraction": float((mask & ~torch.isfinite(rollout)).sum()) / valid,
-        "non-finite trainer log-prob fraction": float((mask & ~torch.isfinite(train)).sum()) / valid,
+        "non-finite engine log-prob fraction": float((mask & ~_is_log_prob(rollout)).sum()) / valid,
+        "non-finite trainer log-prob fraction": float((mask & ~_is_log_prob(train)).sum()) / valid,
         "token KL k1 (mean log pi_rollout - log pi_old)": mean(-ell),
         "token KL k3": mean(rho - ell.clamp(-20, 20) - 1),
         "chi2 token (mean rho^2 - 1)": None if not count else mean(rho.square()) - 1.0,

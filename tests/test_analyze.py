@@ -357,3 +357,17 @@ def test_half_nonfinite_is_at_the_limit_and_still_recommends(tmp_path):
     choice, reasons = recommend(summary, simulate_presets(dump))
     assert choice == "token_tis" and "engine bug" in reasons[0]
     assert not CELL_NAN.search(report(tmp_path))
+
+
+def test_fill_values_count_as_non_finite_like_in_the_plugin(tmp_path):
+    samples = [(old.clone(), rollout.clone(), torch.ones_like(mask)) for old, rollout, mask in
+               batch(19, 0.003, num=4, length=10)]
+    samples[1][1][3] = -3.0e38  # a fill value in the engine's log-probs, as padding code writes it
+    samples[2][0][0] = torch.finfo(torch.float32).min  # and one in the trainer's
+    write_dump(tmp_path, {0: samples})
+    summary = mismatch_summary(load_dumps(tmp_path))
+    valid = summary["valid tokens"]
+    assert summary["non-finite token fraction"] == 2 / valid
+    assert summary["non-finite engine log-prob fraction"] == 1 / valid
+    assert summary["non-finite trainer log-prob fraction"] == 1 / valid
+    assert summary["max abs(log ratio)"] < 1.0  # the fill values never enter a statistic
