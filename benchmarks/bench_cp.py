@@ -3,7 +3,8 @@
 Real gloo process groups on this machine (torch.multiprocessing spawn), cp = 2 and 4, B = 256 responses
 with lengths uniform in [T/4, T], T = 8192, prompts of 256 tokens, the default config.
 
-  ours      compute_mis_weights_with_cp: one all-gather of a [rows, 15] float64 table per rank
+  ours      compute_mis_weights_with_cp: an all-gather of a fixed 2128-byte agreement header (errors, sizes,
+            config fingerprint: docs/reliability.md), then one of a [B, 15] float64 table per rank
   baseline  what miles' example does before its per-sequence loop: for every sequence, each of the two
             log-prob tensors is zero-padded to the full response and all-reduced over the CP group
             (2·B collectives of O(tokens) bytes), then the full-sequence computation runs on every rank
@@ -34,7 +35,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_core import make_inputs  # noqa: E402
 from cp_harness import cp_state, shard, spawn  # noqa: E402
 
-from miles_mis import MisConfig, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis import MisConfig, compute_mis_weights_with_cp, distributed  # noqa: E402
+from miles_mis.plugin import config_text  # noqa: E402
 from miles_mis.layout import zigzag_layout  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
@@ -109,6 +111,13 @@ def worker(rank, size, num_seqs, max_len, results_path):
             fn()
             times.append(time.perf_counter() - start)
         runs[name] = (counter.calls, counter.bytes, statistics.median(times) * 1e3)
+    header_times = []  # the fail-together header alone, to show what it costs inside "ours"
+    for _ in range(21):
+        dist.barrier()
+        start = time.perf_counter()
+        distributed.agree(distributed.Group(rank, size, None), "cp", batch_size=num_seqs, width=15,
+                          config_text=config_text(CONFIG, "thd"))
+        header_times.append(time.perf_counter() - start)
     if rank == 0:
         tokens = sum(full["response_lengths"])
         line = [f"cp={size}", f"tokens={tokens}"]
@@ -117,6 +126,7 @@ def worker(rank, size, num_seqs, max_len, results_path):
         ours, base = runs["ours"], runs["baseline"]
         line.append(f"ratio baseline/ours: collectives {base[0] / ours[0]:.0f}x, bytes {base[1] / ours[1]:.0f}x, "
                     f"time {base[2] / ours[2]:.1f}x")
+        line.append(f"agreement header alone: {statistics.median(header_times) * 1e3:.2f} ms")
         Path(results_path).write_text(" | ".join(line))
 
 
