@@ -77,6 +77,19 @@ def equality_worker(rank, size):
             full["loss_masks"][3][0] = 1.0
         check_case(rank, size, MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
                    full, pg_loss, fmt)
+    # masks with values other than 1 keep them at every position (token MIS rejects some, geometric RS others)
+    full, pg_loss = make_full_batch(seed=8, num_seqs=8, fmt="thd")
+    gen = torch.Generator().manual_seed(8)
+    full["loss_masks"] = [m * (0.5 + 1.5 * torch.randint(0, 2, m.shape, generator=gen)) for m in full["loss_masks"]]
+    for config in (MisConfig(use_tis=True, tis_mode="mask", tis_lower_bound=0.85, tis_upper_bound=1.15),
+                   MisConfig(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.97,
+                             rs_upper_bound=1.03)):
+        check_case(rank, size, config, full, pg_loss, "thd")
+        kwargs, local_pg, positions = shard(full, pg_loss, rank, size, "thd")
+        _, masks, _ = compute_mis_weights_with_cp(SimpleNamespace(**config.to_dict(), qkv_format="thd"),
+                                                  pg_loss=local_pg, parallel_state=cp_state(rank, size), **kwargs)
+        got, given = torch.cat(masks)[positions], torch.cat(full["loss_masks"])[positions]
+        assert bool(((got == given) | (got == 0)).all()) and bool((got == given).any()) and bool((got == 0.5).any())
 
 
 def fault_worker(rank, size):
