@@ -37,6 +37,17 @@ def random_batch(seed: int, num_seqs: int = 12, max_len: int = 40, noise: float 
     return train, rollout, masks
 
 
+def call_plugin(cfg, train, rollout, masks, pg_loss=None):
+    """compute_mis_weights_with_cp at cp = 1 as a host calls it (prompts of 5 tokens, pg_loss of ones)."""
+    from miles_mis import compute_mis_weights_with_cp
+
+    n = sum(t.numel() for t in train)
+    pg_loss = torch.ones(n, requires_grad=True) if pg_loss is None else pg_loss
+    return compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout,
+                                       loss_masks=masks, total_lengths=[t.numel() + 5 for t in train],
+                                       response_lengths=[t.numel() for t in train])
+
+
 @pytest.fixture
 def repo_root():
     return REPO

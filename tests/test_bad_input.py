@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import call_plugin as call
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
 
@@ -11,14 +12,6 @@ FULL = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_no
 ALL_CONFIGS = [FULL] + [MisConfig(use_tis=True, tis_level=level, tis_mode=mode, use_rs=True, rs_level=level,
                                   rs_veto_threshold=1e-4, tis_batch_normalize=True, tis_upper_bound=2.0)
                         for level in ("token", "sequence", "geometric") for mode in ("truncate", "mask", "icepop")]
-
-
-def call(cfg, train, rollout, masks, pg_loss=None):
-    n = sum(t.numel() for t in train)
-    pg_loss = torch.ones(n, requires_grad=True) if pg_loss is None else pg_loss
-    return compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout,
-                                       loss_masks=masks, total_lengths=[t.numel() + 5 for t in train],
-                                       response_lengths=[t.numel() for t in train])
 
 
 def assert_all_finite(loss, metrics):

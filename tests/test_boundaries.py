@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import call_plugin as call
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,14 +16,6 @@ from miles_mis.plugin import InputError, _tensor_problem
 
 TOKEN_TIS = MisConfig(use_tis=True, tis_upper_bound=10.0)
 PRESETS = ["mis", "token_tis", "seq_tis", "seq_mis", "geo_rs", "k3_rs", "token_icepop", "seq_is_rs"]
-
-
-def call(cfg, train, rollout, masks, pg_loss=None):
-    n = sum(t.numel() for t in train)
-    pg_loss = torch.ones(n, requires_grad=True) if pg_loss is None else pg_loss
-    return compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout,
-                                       loss_masks=masks, total_lengths=[t.numel() + 5 for t in train],
-                                       response_lengths=[t.numel() for t in train])
 
 
 # --------------------------------------------------------------------------- 2. masks keep their values
