@@ -23,6 +23,7 @@ import torch
 from .. import host
 from ..layout import zigzag_layout
 from . import task
+from .dump import PolicyLossDumper, policy_loss_record
 from .engine import RolloutEngine
 from .model import ModelConfig, TinyGPT, sequence_log_probs
 
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--out-dir", type=Path, default=Path("runs/lab"), help="metrics.jsonl and checkpoints")
     lab.add_argument("--save-interval", type=int, default=20, help="checkpoint every N steps (0 = never)")
     lab.add_argument("--resume", action="store_true", help="continue from out-dir/checkpoint.pt")
+    lab.add_argument("--dump-details", type=Path, default=None, metavar="DIR",
+                     help="write miles' policy-loss dumps, DIR/policy_loss_debug/rank_<r>_call_<c>.pt (one file "
+                          "per policy-loss call per CP rank), for `miles-mis analyze DIR`; off when unset")
+    lab.add_argument("--dump-interval", type=int, default=1, metavar="N",
+                     help="with --dump-details: write the calls of the steps whose number (1-based, as in "
+                          "metrics.jsonl) is a multiple of N")
     lab.add_argument("--wandb-project", default=None, help="also log to W&B (WANDB_MODE=offline works)")
     lab.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -67,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.validate_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
+    if args.dump_interval < 1:
+        raise ValueError(f"--dump-interval must be >= 1, got {args.dump_interval}")
     return args
 
 
@@ -160,6 +169,8 @@ def _scalar(value: Any) -> float:
 def train(args: argparse.Namespace) -> list[dict]:
     """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl)."""
     cp = CPContext(args.context_parallel_size)
+    # before the warm start: a fresh run into a directory holding another run's dumps fails at once
+    dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     torch.manual_seed(args.seed)
     model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4))
     out_dir = Path(args.out_dir)
@@ -181,6 +192,9 @@ def train(args: argparse.Namespace) -> list[dict]:
         prompt_generator.set_state(state["prompts"])
         torch.set_rng_state(state["torch"])
         history, start_step = state["history"], state["step"]
+        # policy-loss calls so far (the dump counter); a checkpoint from before it was stored: one per minibatch
+        per_step = len(torch.arange(args.prompts_per_step * args.group_size).chunk(args.num_minibatches))
+        dumper.calls = int(state.get("policy_loss_calls", start_step * per_step))
     elif args.resume:
         raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
     if writer:
@@ -231,7 +245,9 @@ def train(args: argparse.Namespace) -> list[dict]:
                 "loss_masks": [torch.ones(n) for n in resp],
                 "response_lengths": resp, "total_lengths": totals,
             }
-            loss, metrics = host.policy_loss(args, batch, shard(current_full), parallel_state=cp.state)
+            current = shard(current_full)
+            loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
+            dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
             optimizer.zero_grad()
             (loss / len(idx)).backward()  # the host returns a sum over sequences
             for p in model.parameters():
@@ -262,7 +278,8 @@ def train(args: argparse.Namespace) -> list[dict]:
             if args.save_interval and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "engine": engine.state_dict(), "prompts": prompt_generator.get_state(),
-                            "torch": torch.get_rng_state(), "history": history, "step": step + 1},
+                            "torch": torch.get_rng_state(), "history": history, "step": step + 1,
+                            "policy_loss_calls": dumper.calls},
                            checkpoint_path)
     if writer and not args.quiet:
         print(file=sys.stderr)
