@@ -208,7 +208,9 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
     values = {
         "n_valid": terms.valid, "n_usable": terms.usable,
         "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
-        "sum_k3": (terms.token_ratio - terms.log_ratio).sub_(1.0),  # 0 where not usable (ℓ = 0, ρ = 1)
+        # 0 where not usable (ℓ = 0, ρ = 1); clamped at 0: for |ℓ| ~ 1e-7 (agreeing engines) ρ − ℓ − 1 rounds
+        # below 0 in float32, and k3 ≥ 0 is what makes it a divergence
+        "sum_k3": (terms.token_ratio - terms.log_ratio).sub_(1.0).clamp_(min=0.0),
         "sum_ratio_sq": terms.token_ratio.square().mul_(terms.usable),
         "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
         "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,

@@ -38,7 +38,8 @@ def split_option(option: str) -> tuple[str, str]:
 def token_estimators(log_ratio: Tensor, token_ratio: Tensor) -> dict[str, Tensor]:
     """k1, k2, k3 per token from the clamped ℓ (0 where not usable, where every k is 0)."""
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": (token_ratio - clamped).sub_(1.0)}
+    # k3 clamped at 0: float32 rounding makes ρ − ℓ − 1 slightly negative for |ℓ| ~ 1e-7
+    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": (token_ratio - clamped).sub_(1.0).clamp_(min=0.0)}
 
 
 def within(statistic: Tensor, estimator: str, lower: float | None, upper: float) -> Tensor:

@@ -39,7 +39,7 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
 
 def _estimators(ell: float) -> dict[str, float]:
     c = min(max(ell, -CLAMP), CLAMP)
-    return {"k1": -c, "k2": c * c / 2, "k3": math.exp(c) - c - 1}
+    return {"k1": -c, "k2": c * c / 2, "k3": max(math.exp(c) - c - 1, 0.0)}
 
 
 def _keeps(estimator: str, value: float, lower, upper) -> bool:
@@ -127,7 +127,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
             "training_log_ppl": -mean_train, "training_ppl": _exp(-mean_train),
             "rollout_log_ppl": -mean_rollout, "rollout_ppl": _exp(-mean_rollout),
             "kl": diff, "log_ppl_diff": diff, "log_ppl_abs_diff": abs(diff), "ppl_ratio": _exp(diff),
-            "k3_kl": sum(_exp(t["ell"]) - t["ell"] - 1 for t in usable) / count,
+            "k3_kl": sum(max(_exp(t["ell"]) - t["ell"] - 1, 0.0) for t in usable) / count,
             "chi2_token": (sum(_exp(t["ell"]) ** 2 for t in usable) / count - 1.0) if usable else 0.0,
             "chi2_seq": _exp(2 * sum_ell) if abs(sum_ell) <= CLAMP else math.exp(2 * math.copysign(CLAMP, sum_ell)),
         }
