@@ -139,10 +139,15 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, q
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
                             response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format)
     num_tokens = packed.batch.train_log_probs.numel()
-    if not isinstance(pg_loss, Tensor) or pg_loss.dim() != 1 or pg_loss.numel() != num_tokens:
-        shape = tuple(pg_loss.shape) if isinstance(pg_loss, Tensor) else type(pg_loss).__name__
-        raise InputError(f"pg_loss has shape {shape} but the {packed.batch.num_seqs} sequences hold {num_tokens} "
-                         f"local tokens: expected shape ({num_tokens},)")
+    problem = _tensor_problem(pg_loss, packed.batch.train_log_probs.device, log_probs=True)
+    if problem is None and not pg_loss.is_floating_point():
+        problem = f"has dtype {pg_loss.dtype}: the loss is floating point (the weights would be cast to it)"
+    if problem is None and pg_loss.numel() != num_tokens:
+        problem = (f"has shape {tuple(pg_loss.shape)} but the {packed.batch.num_seqs} sequences hold {num_tokens} "
+                   f"local tokens: expected shape ({num_tokens},)")
+    if problem is not None:
+        problem = problem.replace("sequence 0 is on", "the log-probs are on")
+        raise InputError(f"pg_loss {problem}")
     terms = core.token_terms(packed.batch, config)
     stats = core.local_seq_stats(packed.batch, terms, config)
     return _Local(config, packed, terms, stats, config_text(config, qkv_format))
@@ -230,6 +235,10 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
                          "(miles: the rollout must keep per-token log-probs) to measure or correct the mismatch")
     if train_log_probs is None:
         raise InputError("train_log_probs is None: the host must pass the trainer's recomputed log-probs")
+    for name, values in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+                         ("loss_masks", loss_masks)):
+        if not isinstance(values, (list, tuple)):
+            raise InputError(f"{name} is a {type(values).__name__}: expected a list of B 1-D tensors, one per sequence")
     counts = {"train_log_probs": len(train_log_probs), "rollout_log_probs": len(rollout_log_probs),
               "loss_masks": len(loss_masks)}
     for name, values in (("response_lengths", response_lengths), ("total_lengths", total_lengths),
@@ -342,7 +351,7 @@ def _int_list(name: str, values) -> list[int] | None:
 
 
 def _plain_1d(tensor: Tensor) -> bool:
-    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_meta and tensor.ndim == 1
+    return (not tensor.is_nested and tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_meta and tensor.ndim == 1
             and not tensor.is_complex())
 
 
@@ -350,6 +359,8 @@ def _tensor_problem(value: Any, device: Any, log_probs: bool) -> str | None:
     """What is wrong with one per-sequence entry, or None."""
     if not isinstance(value, Tensor):
         return f"is a {type(value).__name__}, not a tensor"
+    if value.is_nested:
+        return "is a nested tensor: plain 1-D tensors only"
     if value.layout != torch.strided:
         return f"is a {str(value.layout).replace('torch.', '')} tensor: dense tensors only"
     if value.is_quantized:

@@ -188,3 +188,38 @@ def test_lengths_must_be_integers(lengths, message):
         compute_mis_weights_with_cp(TOKEN_TIS, pg_loss=torch.zeros(4), train_log_probs=[torch.zeros(2)] * 2,
                                     rollout_log_probs=[torch.zeros(2)] * 2, loss_masks=[torch.ones(2)] * 2,
                                     total_lengths=[5, 5], response_lengths=lengths)
+
+
+def _nested():
+    with warnings.catch_warnings():  # the strided nested layout is a prototype: a host may still pass one
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda n: torch.empty(n, device="meta"), r"^pg_loss is on the meta device"),
+    (lambda n: torch.ones(n).to_sparse(), r"^pg_loss is a sparse_coo tensor"),
+    (lambda n: torch.arange(n), r"^pg_loss has dtype torch.int64: the loss is floating point"),
+    (lambda n: torch.ones(n + 1), r"^pg_loss has shape \(5,\) but the 2 sequences hold 4 local tokens"),
+    (lambda n: [1.0] * n, r"^pg_loss is a list, not a tensor"),
+    (lambda n: _nested(), r"^pg_loss is a nested tensor"),
+])
+def test_pg_loss_is_checked_before_anything_uses_it(make, message):
+    with pytest.raises(InputError, match=message):
+        call(TOKEN_TIS, [torch.zeros(2)] * 2, [torch.zeros(2)] * 2, [torch.ones(2)] * 2, pg_loss=make(4))
+
+
+@pytest.mark.parametrize("name", ["train_log_probs", "rollout_log_probs", "loss_masks"])
+def test_a_list_that_is_not_a_list_is_named(name):
+    lists = {"train_log_probs": [torch.zeros(2)], "rollout_log_probs": [torch.zeros(2)], "loss_masks": [torch.ones(2)]}
+    lists[name] = torch.zeros(1, 2) if name != "loss_masks" else None
+    kind = "NoneType" if name == "loss_masks" else "Tensor"
+    with pytest.raises(InputError, match=rf"^{name} is a {kind}: expected a list of B 1-D tensors"):
+        compute_mis_weights_with_cp(TOKEN_TIS, pg_loss=torch.zeros(2), **lists)
+
+
+def test_nested_tensor_entry_is_named():
+    nested = _nested()
+    with pytest.raises(InputError, match=r"^sequence 0: train_log_probs\[0\] is a nested tensor"):
+        compute_mis_weights(TOKEN_TIS, train_log_probs=[nested], rollout_log_probs=[torch.zeros(2)],
+                            loss_masks=[torch.ones(2)])

@@ -87,6 +87,12 @@ def case_pg_loss_shape(rank, size):
     return _call(rank, size, pg_loss=torch.zeros(1, 1)) if rank == size - 1 else _call(rank, size)
 
 
+def case_pg_loss_meta(rank, size):
+    full, pg_loss = make_full_batch(seed=3, num_seqs=6)
+    _, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
+    return _call(rank, size, pg_loss=torch.empty(local_pg.numel(), device="meta")) if rank == 1 else _call(rank, size)
+
+
 def case_dp_scope_on_one_rank(rank, size):
     scope = "dp" if rank == 1 else "micro_batch"
     ps = SimpleNamespace(cp=SimpleNamespace(rank=rank, size=size, group=None),
@@ -187,6 +193,8 @@ CP_MATRIX = {
         r"^cp rank 0 at sequence 1: sequence 1: train_log_probs\[1\] is a sparse_coo tensor")),
     "pg_loss_shape": (case_pg_loss_shape, lambda rank, size: (
         r"^pg_loss has shape \(1, 1\)" if rank == size - 1 else rf"^cp rank {size - 1}: pg_loss has shape \(1, 1\)")),
+    "pg_loss_meta": (case_pg_loss_meta, _faulty_and_others(
+        1, r"^pg_loss is on the meta device", r"^cp rank 1: pg_loss is on the meta device")),
     "dp_scope_on_one_rank": (case_dp_scope_on_one_rank, lambda rank, size: (
         r"^cp ranks disagree on the effective config: tis_batch_normalize_scope: cp rank 0 has 'micro_batch', "
         r"cp rank 1 has 'dp'")),
