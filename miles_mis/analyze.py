@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import pickle
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from .core import LOG_PROB_BOUND
 from .config import MisConfig, preset_files
-from .plugin import compute_mis_weights
+from .plugin import _tensor_problem, compute_mis_weights
 
 CANDIDATES = ("token_tis", "mis", "token_icepop", "geo_rs", "k3_rs", "seq_mis")
 NONFINITE_LIMIT = 0.5  # above this fraction of valid tokens with NaN/inf log-probs: broken, no recommendation
@@ -84,7 +85,7 @@ def load_dumps(directory: Path, allow_partial: bool = False) -> Dump:
         dump.warnings.append(f"{unchecked} sequences carry no response_length: their completeness was checked by "
                              "rank coverage only")
     _join(sequences, dump)
-    if not any(bool((mask > 0).any()) for mask in dump.loss_masks):
+    if not any(bool((mask != 0).any()) for mask in dump.loss_masks):
         raise ValueError(f"{directory}: the dumps hold no valid token (every local_loss_mask is 0): nothing to "
                          "analyse")
     return dump
@@ -138,7 +139,9 @@ def _load_payload(path: Path):
     if path.is_file() and path.stat().st_size == 0:
         raise ValueError(f"{path}: empty file (0 bytes)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's deprecation notes about a file's contents are not the user's
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         needs = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         if needs:
@@ -209,6 +212,8 @@ def _token_tensor(where: str, sample: dict, name: str) -> Tensor:
         raise ValueError(f"{where} has no {name}{hint}")
     if not isinstance(value, Tensor):
         raise ValueError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
+    if value.is_nested or value.layout != torch.strided or value.is_quantized or value.is_meta:
+        raise ValueError(f"{where}: {name} {_tensor_problem(value, None, log_probs=name != 'local_loss_mask')}")
     if value.dim() != 1:
         raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected one dimension (tokens)")
     if value.is_complex() or (value.dtype == torch.bool and name != "local_loss_mask"):
@@ -289,14 +294,14 @@ def mismatch_summary(dump: Dump) -> dict[str, float | None]:
     """Token- and sequence-level mismatch statistics over valid tokens (None: no finite token to compute it on)."""
     train = torch.cat(dump.train_log_probs).double()
     rollout = torch.cat(dump.rollout_log_probs).double()
-    mask = torch.cat(dump.loss_masks) > 0
+    mask = torch.cat(dump.loss_masks) != 0  # nonzero = valid, as in the plugin
     finite = _is_log_prob(train) & _is_log_prob(rollout)
     usable = mask & finite
     ell = (train - rollout)[usable]
     rho = ell.clamp(-20, 20).exp()
-    seq_sums = torch.tensor([float((t.double() - r.double())[(m > 0) & _is_log_prob(t) & _is_log_prob(r)].sum())
+    seq_sums = torch.tensor([float((t.double() - r.double())[(m != 0) & _is_log_prob(t) & _is_log_prob(r)].sum())
                              for t, r, m in zip(dump.train_log_probs, dump.rollout_log_probs, dump.loss_masks)])
-    lengths = torch.tensor([float((m > 0).sum()) for m in dump.loss_masks])
+    lengths = torch.tensor([float((m != 0).sum()) for m in dump.loss_masks])
     valid = max(int(mask.sum()), 1)
     count = int(usable.sum())
 
@@ -330,7 +335,7 @@ def logprobs_broken(summary: dict[str, float | None]) -> bool:
 def simulate_presets(dump: Dump, names=CANDIDATES) -> dict[str, dict[str, float | None]]:
     """Each preset run (use_tis on) over the dumped tokens: kept fraction, ESS, weight stats, bias proxy."""
     files = preset_files()
-    valid = sum(float((m > 0).sum()) for m in dump.loss_masks)
+    valid = sum(float((m != 0).sum()) for m in dump.loss_masks)
     out = {}
     for name in names:
         if name not in files:
@@ -339,7 +344,7 @@ def simulate_presets(dump: Dump, names=CANDIDATES) -> dict[str, dict[str, float 
         weights, masks, metrics = compute_mis_weights(config, train_log_probs=dump.train_log_probs,
                                                       rollout_log_probs=dump.rollout_log_probs,
                                                       loss_masks=dump.loss_masks)
-        kept = torch.cat(masks) > 0
+        kept = torch.cat(masks) != 0
         w = torch.cat(weights)
         raw = torch.cat(metrics["mis_tis_weight_before_bound"])
         after = torch.cat(metrics["mis_tis_weight_after_bound"])

@@ -371,3 +371,42 @@ def test_fill_values_count_as_non_finite_like_in_the_plugin(tmp_path):
     assert summary["non-finite engine log-prob fraction"] == 1 / valid
     assert summary["non-finite trainer log-prob fraction"] == 1 / valid
     assert summary["max abs(log ratio)"] < 1.0  # the fill values never enter a statistic
+
+
+def _quantized(values):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(values, 0.1, 0, torch.quint8)
+
+
+def _nested_tensor(values):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([values, values])
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda t: t.to_sparse(), "is a sparse_coo tensor"),
+    (lambda t: torch.empty(t.shape, device="meta"), "is on the meta device"),
+    (lambda t: _quantized(-t), "is a quantized tensor"),
+    (_nested_tensor, "is a nested tensor"),
+])
+def test_odd_tensors_in_a_dump_are_one_line(tmp_path, capsys, make, words):
+    old = -torch.rand(5)
+    out = write_dump(tmp_path, {0: [(old, old - 0.01, torch.ones(5)), (old.clone(), old, torch.ones(5))]})
+    _rewrite(out / "rank_0_call_0.pt", _set(1, "old_log_probs", make(old)))
+    code, _, err = analyze(capsys, str(tmp_path))
+    line = one_line_error(code, err)
+    assert "rank_0_call_0.pt: sample 1: old_log_probs " + words in line
+
+
+def test_negative_mask_values_are_valid_like_in_the_plugin(tmp_path):
+    old = -torch.rand(4, generator=torch.Generator().manual_seed(0))
+    write_dump(tmp_path, {0: [(old, old - 0.1, -torch.ones(4))]})
+    summary = mismatch_summary(load_dumps(tmp_path))
+    assert summary["valid tokens"] == 4 and summary["token KL k1 (mean log pi_rollout - log pi_old)"] == \
+        pytest.approx(-0.1, rel=1e-5)
