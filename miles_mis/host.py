@@ -293,6 +293,14 @@ def validate_args(args: argparse.Namespace) -> None:
 _FILE_MODULES: dict[Path, Any] = {}
 
 
+def _error_line(error: BaseException) -> str:
+    """``Type: message`` on one line, with the file and line of a syntax error."""
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def load_function(path: str) -> Callable:
     """``pkg.module.func`` (import + getattr, as miles) or ``path/to/file.py:func``.
 
@@ -308,14 +316,24 @@ def load_function(path: str) -> Callable:
             if spec is None or spec.loader is None or not resolved.is_file():
                 raise ValueError(f"--custom-tis-function-path {path!r}: no Python file at {file_path!r}")
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as error:  # a syntax error or an exception at import: one line naming the flag
+                raise ValueError(f"--custom-tis-function-path {path!r}: executing {file_path} failed: "
+                                 f"{_error_line(error)}") from error
             _FILE_MODULES[resolved] = module
     else:
         module_name, _, name = path.rpartition(".")
+        if not module_name or not name:
+            raise ValueError(f"--custom-tis-function-path {path!r} is invalid: expected pkg.module.func or "
+                             "path/to/file.py:func")
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
             raise ValueError(f"--custom-tis-function-path {path!r}: cannot import {module_name!r} ({error})") from None
+        except Exception as error:  # the module raised while importing
+            raise ValueError(f"--custom-tis-function-path {path!r}: importing {module_name!r} failed: "
+                             f"{_error_line(error)}") from error
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"--custom-tis-function-path {path!r}: {name!r} is not a function of that module")

@@ -245,3 +245,19 @@ def test_head_reads_the_first_line(repo_root):
     out = subprocess.run(f"{sys.executable} -m miles_mis.cli check-config configs/mis.yaml | head -n 1",
                          shell=True, cwd=repo_root, capture_output=True, text=True)
     assert out.stdout.startswith("# effective config of configs/mis.yaml") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f(:\n", r"executing .*bad_plugin\.py failed: SyntaxError: .*line 1"),
+    ("raise RuntimeError('no GPU here')\n", r"executing .*bad_plugin\.py failed: RuntimeError: no GPU here"),
+])
+def test_a_broken_file_plugin_is_one_error_naming_the_flag(tmp_path, source, message):
+    plugin = tmp_path / "bad_plugin.py"
+    plugin.write_text(source)
+    with pytest.raises(ValueError, match=r"^--custom-tis-function-path '.*bad_plugin\.py:f': " + message):
+        host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin}:f"])
+
+
+def test_a_function_path_without_a_module_is_named():
+    with pytest.raises(ValueError, match=r"^--custom-tis-function-path 'func' is invalid: expected pkg.module.func"):
+        host.parse_args(["--use-tis", "--custom-tis-function-path", "func"])
