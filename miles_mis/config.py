@@ -247,13 +247,14 @@ def load_yaml_mapping(path: str | Path) -> dict:
 
 
 class YamlFloat(float):
-    """A float YAML read from text with underscores (``0.5_2`` -> 0.52); ``yaml_text`` is that text."""
+    """A float YAML read from text that is not its own spelling (``0.5_2`` -> 0.52); ``yaml_text`` is that text."""
 
     yaml_text: str
 
 
 class YamlInt(int):
-    """An int YAML read from text with underscores (``1_3`` -> 13); ``yaml_text`` is that text."""
+    """An int YAML read from text that is not its own spelling (``1_3`` -> 13, ``010`` -> 8, ``0x10`` -> 16);
+    ``yaml_text`` is that text."""
 
     yaml_text: str
 
@@ -285,7 +286,9 @@ def _strict_loader():
     def number(kind, construct):
         def constructor(loader, node):
             value = construct(loader, node)
-            if "_" in str(node.value) and type(value) in (int, float):
+            # keep the text whenever it is not the number's own spelling (YAML 1.1 reads 0.5_2 as 0.52, 010 as 8,
+            # 0x10 as 16, 1:30 as 90): the host converts that text as the command line would
+            if type(value) in (int, float) and math.isfinite(value) and str(node.value) != repr(value):
                 value = kind(value)
                 value.yaml_text = node.value
             return value

@@ -261,3 +261,21 @@ def test_a_broken_file_plugin_is_one_error_naming_the_flag(tmp_path, source, mes
 def test_a_function_path_without_a_module_is_named():
     with pytest.raises(ValueError, match=r"^--custom-tis-function-path 'func' is invalid: expected pkg.module.func"):
         host.parse_args(["--use-tis", "--custom-tis-function-path", "func"])
+
+
+@pytest.mark.parametrize("text, expected", [("010", 10.0), ("1.0e-1", 0.1), ("0.3", 0.3), ("2", 2.0)])
+def test_yaml_numbers_are_read_from_their_text_like_the_command_line(tmp_path, text, expected):
+    config = tmp_path / "flags.yaml"
+    config.write_text(f"eps_clip: {text}\n")  # YAML 1.1 alone would read 010 as the octal 8
+    assert host.parse_args(["--custom-config-path", str(config)]).eps_clip == expected
+    assert host.parse_args(["--eps-clip", text]).eps_clip == expected
+
+
+@pytest.mark.parametrize("text", ["0x10", "1:30"])
+def test_yaml_numbers_the_command_line_refuses_are_refused(tmp_path, text):
+    config = tmp_path / "flags.yaml"
+    config.write_text(f"eps_clip: {text}\n")
+    with pytest.raises(ValueError, match=rf"flags\.yaml: key 'eps_clip' \(--eps-clip\)"):
+        host.parse_args(["--custom-config-path", str(config)])
+    with pytest.raises(SystemExit):
+        host.parse_args(["--eps-clip", text])
