@@ -36,9 +36,18 @@ def check_config(path: str, use_tis: bool | None) -> int:
         values = load_yaml_mapping(path)
         cfg = MisConfig.from_dict(values, source=path)
         # host flag keys: converted and checked as the host's --custom-config-path does it
-        host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
+        flags = host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
         if use_tis is not None and "use_tis" not in values:
             cfg = dataclasses.replace(cfg, use_tis=use_tis)
+        # the flag combinations the host refuses (a file that sets use_rollout_logprobs with use_tis, ...), as the
+        # host sees them: its defaults, the file's keys, and this plugin as the correction function
+        args = host.build_parser().parse_args([])
+        vars(args).update(values, **flags, custom_config_path=path, use_tis=cfg.use_tis)
+        args.custom_tis_function_path = args.custom_tis_function_path or "miles_mis.compute_mis_weights_with_cp"
+        try:
+            host.validate_args(args)
+        except ValueError as error:
+            raise ValueError(str(error) if str(error).startswith(path) else f"{path}: {error}") from None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -113,7 +113,7 @@ def merge_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser 
     function_path = values.get("custom_tis_function_path", getattr(args, "custom_tis_function_path", None))
     third_party = lambda: bool(function_path) and not _is_ours(load_function(str(function_path)))  # noqa: E731
     for key, value in convert_config_values(values, parser or build_parser(), source=path,
-                                            pass_unknown=third_party).items():
+                                            pass_unknown=third_party, plugin_keys=bool(function_path)).items():
         setattr(args, key, value)
 
 
@@ -150,7 +150,8 @@ def flag_name(dest: str, parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentParser | None = None, *,
-                          source: str, pass_unknown: Callable[[], bool] | bool = False) -> dict[str, Any]:
+                          source: str, pass_unknown: Callable[[], bool] | bool = False,
+                          plugin_keys: bool = True) -> dict[str, Any]:
     """The keys of a config file, each value converted and checked exactly as its flag on the command line.
 
     A key that is a flag of ``parser`` (its dest: ``eps_clip`` for ``--eps-clip``) takes the flag's type
@@ -160,7 +161,9 @@ def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentPa
     ``MisConfig`` checks it when the function is miles_mis's. Any other key is an error with a did-you-mean,
     unless ``pass_unknown`` (a bool, or a callable asked on the first unknown key) is true — a correction
     function that is not miles_mis's may read keys of its own, as miles sets every key on args — and even then
-    a key within a typo of a known key is an error. Errors: ``SOURCE: key 'k' (--flag): ...``.
+    a key within a typo of a known key is an error. ``plugin_keys`` False (no correction function is named, so
+    the built-in TIS runs): a miles_mis config key is an error, since nothing would read it. Errors:
+    ``SOURCE: key 'k' (--flag): ...``.
     """
     from .config import MisConfig
 
@@ -175,6 +178,10 @@ def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentPa
         if key in actions:
             out[key] = _flag_value(actions[key], value, parser, f"{source}: key {key!r} ({flag_name(key, parser)})")
             continue
+        if not plugin_keys and key in MisConfig.keys():
+            raise ValueError(f"{source}: key {key!r} is a miles_mis config key, but no --custom-tis-function-path is "
+                             "given, so the built-in TIS would silently ignore it: add --custom-tis-function-path "
+                             "miles_mis.compute_mis_weights_with_cp (flag or YAML key)")
         if key not in known:
             if callable(pass_unknown):
                 pass_unknown = bool(pass_unknown())
@@ -261,22 +268,24 @@ def _is_ours(function: Callable) -> bool:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Flag ranges (:data:`FLAG_RANGES`) and combinations; each error names the flags involved."""
+    """Flag ranges (:data:`FLAG_RANGES`) and combinations; each error names the flags involved, and the config
+    file when one was merged (its keys count as the flags)."""
+    config_path = getattr(args, "custom_config_path", None)
+    where = f" (flags and the keys of {config_path} together)" if config_path else ""
     for dest in FLAG_RANGES:
         if hasattr(args, dest):
             check_flag_range(dest, getattr(args, dest), flag_name(dest))
     if getattr(args, "use_tis", False) and getattr(args, "use_rollout_logprobs", False):
         raise ValueError("--use-tis and --use-rollout-logprobs are mutually exclusive: decoupled PPO needs the "
-                         "trainer's recomputed log-probs as π_old, bypass PPO replaces them by the rollout's "
-                         "(check --custom-config-path too: its use_tis/use_rollout_logprobs keys count)")
+                         "trainer's recomputed log-probs as π_old, bypass PPO replaces them by the rollout's" + where)
     if getattr(args, "get_mismatch_metrics", False) and not getattr(args, "custom_tis_function_path", None):
         raise ValueError("--get-mismatch-metrics needs --custom-tis-function-path (e.g. "
-                         "miles_mis.compute_mis_weights_with_cp): the built-in TIS has no mismatch metrics")
+                         "miles_mis.compute_mis_weights_with_cp): the built-in TIS has no mismatch metrics" + where)
     if getattr(args, "loss_type", "ppo") == "reinforce" and not (args.use_tis or args.use_rollout_logprobs):
         raise ValueError("--loss-type reinforce needs --use-tis or --use-rollout-logprobs: REINFORCE + IS weights "
-                         "each token by an importance ratio against the rollout log-probs")
+                         "each token by an importance ratio against the rollout log-probs" + where)
     if args.tis_clip_low >= args.tis_clip:
-        raise ValueError(f"--tis-clip-low={args.tis_clip_low} must be smaller than --tis-clip={args.tis_clip}")
+        raise ValueError(f"--tis-clip-low={args.tis_clip_low} must be smaller than --tis-clip={args.tis_clip}{where}")
     if getattr(args, "custom_tis_function_path", None):
         function = load_function(args.custom_tis_function_path)  # fail at start-up, not at the first step
         if _is_ours(function):
@@ -285,7 +294,6 @@ def validate_args(args: argparse.Namespace) -> None:
             try:
                 MisConfig.from_args(args)  # the plugin's own config errors, early
             except ValueError as error:
-                config_path = getattr(args, "custom_config_path", None)
                 raise ValueError(f"{config_path}: {error}" if config_path else str(error)) from None
 
 

@@ -198,6 +198,8 @@ def test_value_errors_of_a_file_name_the_file(tmp_path):
     ("loss_type: foo\n", ["key 'loss_type'", "invalid choice: 'foo'"]),
     ("use_opsm: 'no'\n", ["key 'use_opsm'", "true or false"]),
     ("eps_clp: 0.1\n", ["unknown key 'eps_clp'", "did you mean 'eps_clip'"]),
+    ("use_tis: true\nuse_rollout_logprobs: true\n", ["--use-tis and --use-rollout-logprobs are mutually exclusive"]),
+    ("tis_clip_low: 3\n", ["--tis-clip-low=3.0 must be smaller than --tis-clip=2.0"]),  # combinations, as the host
 ])
 def test_check_config_prints_one_error_line(tmp_path, text, words):
     import subprocess

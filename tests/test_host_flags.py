@@ -279,3 +279,14 @@ def test_yaml_numbers_the_command_line_refuses_are_refused(tmp_path, text):
         host.parse_args(["--custom-config-path", str(config)])
     with pytest.raises(SystemExit):
         host.parse_args(["--eps-clip", text])
+
+
+def test_miles_mis_keys_without_a_correction_function_are_an_error(tmp_path):
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_mode: mask\n")  # with the built-in TIS nothing would read it
+    with pytest.raises(ValueError, match=r"mis\.yaml: key 'tis_mode' is a miles_mis config key, but no "
+                                         r"--custom-tis-function-path is given"):
+        host.parse_args(["--use-tis", "--custom-config-path", str(config)])
+    args = host.parse_args(["--use-tis", "--custom-config-path", str(config), "--custom-tis-function-path",
+                            "miles_mis.compute_mis_weights_with_cp"])
+    assert args.tis_mode == "mask"
