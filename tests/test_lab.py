@@ -121,6 +121,14 @@ def test_resume_refuses_a_checkpoint_that_needs_pickle(tmp_path):
     assert not marker.exists()
 
 
+def test_resume_names_a_checkpoint_of_the_wrong_shape(tmp_path):
+    out = tmp_path / "wrong"
+    out.mkdir()
+    torch.save({"model": {}, "step": 1}, out / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"--resume .*checkpoint\.pt: not a checkpoint of this lab run"):
+        lab(tmp_path, "--resume", steps=2, name="wrong")
+
+
 def test_torchrun_cp2_equals_cp1(tmp_path):
     flags = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
              "--rollout-dtype", "fp32", "--rollout-staleness", "2", "--steps", "3", "--quiet", "--prompts-per-step", "4",

@@ -186,12 +186,17 @@ def train(args: argparse.Namespace) -> list[dict]:
     writer = cp.rank == 0
     if args.resume and checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        engine.load_state_dict(state["engine"])
-        prompt_generator.set_state(state["prompts"])
-        torch.set_rng_state(state["torch"])
-        history, start_step = state["history"], state["step"]
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            engine.load_state_dict(state["engine"])
+            prompt_generator.set_state(state["prompts"])
+            torch.set_rng_state(state["torch"])
+            history, start_step = list(state["history"]), int(state["step"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a file of another shape or model size
+            first = " ".join(str(error).split())[:300] or type(error).__name__
+            raise ValueError(f"--resume {checkpoint_path}: not a checkpoint of this lab run ({type(error).__name__}: "
+                             f"{first})") from None
         # policy-loss calls so far (the dump counter); a checkpoint from before it was stored: one per minibatch
         per_step = len(torch.arange(args.prompts_per_step * args.group_size).chunk(args.num_minibatches))
         dumper.calls = int(state.get("policy_loss_calls", start_step * per_step))
