@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .core import LOG_PROB_BOUND
-from .config import MisConfig, preset_files
-from .plugin import _tensor_problem, compute_mis_weights
+from ..core import LOG_PROB_BOUND
+from ..config import MisConfig, preset_files
+from ..plugin import _tensor_problem, compute_mis_weights
 
 CANDIDATES = ("token_tis", "mis", "token_icepop", "geo_rs", "k3_rs", "seq_mis")
 NONFINITE_LIMIT = 0.5  # above this fraction of valid tokens with NaN/inf log-probs: broken, no recommendation
