@@ -19,7 +19,7 @@ setup(
         "test": ["pytest", "hypothesis", "megatron-core", "matplotlib"],
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
-        "analyze": ["matplotlib"],
+        "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs
         "gpu": ["megatron-core", "transformer-engine", "sglang"],
     },
     entry_points={"console_scripts": ["miles-mis=miles_mis.cli:main"]},

@@ -71,7 +71,7 @@ def plot(histories: dict[str, list[dict]], path: Path, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'miles-mis[analyze]'): no figure", file=sys.stderr)
+        print("matplotlib is not installed (pip install 'miles-mis[figures]'): no figure", file=sys.stderr)
         return False
     panels = [("reward", "reward"), ("raw_kl", "raw KL(π_rollout‖π_train): batch mean of log π_rollout − log π_old"),
               ("raw_ess", "raw ESS of π_old/π_rollout over the batch"), ("grad_norm", "grad norm (before clipping)")]
