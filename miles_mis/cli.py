@@ -3,7 +3,8 @@
   miles-mis demo                            the mismatch lab: four algorithms, one seed, one engine setting
   miles-mis train [flags]                   one lab run (miles' host flags plus the lab's)
   miles-mis check-config FILE [--use-tis]   print the effective config (defaults filled in) or the error
-  miles-mis analyze DUMP_DIR [--out F]      read miles --dump-details dumps, recommend a correction
+  miles-mis analyze DUMP_DIR [--out-dir D]  read miles --dump-details dumps: where the mismatch lives, which
+                                            correction (--write-config F), two dumps side by side (--compare)
   miles-mis plugin-demo [--configs-dir DIR] run the plugin on a shipped example batch with every config
                                             in configs/ and print the host-reduced metrics side by side
 """
@@ -150,33 +151,20 @@ def _main(argv: list[str] | None = None) -> int:
     check.add_argument("file")
     check.add_argument("--use-tis", action="store_true", default=None,
                        help="as if the host passed --use-tis (when the file does not set use_tis)")
-    analyze = sub.add_parser("analyze", help="read miles --dump-details dumps and recommend a correction")
-    analyze.add_argument("dump_dir", type=Path)
-    analyze.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
-    analyze.add_argument("--allow-partial", action="store_true",
-                         help="analyse an incomplete dump (a call lacking a rank, a sequence short of its "
-                              "response_length) with a warning, instead of refusing it")
+    from .analyze.command import add_arguments as add_analyze_arguments
+
+    add_analyze_arguments(sub.add_parser("analyze", help="read miles --dump-details dumps: where the mismatch lives, "
+                                                         "which correction, a ready config",
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     demo_parser = sub.add_parser("plugin-demo", help="run the plugin on a shipped example batch with every config")
     demo_parser.add_argument("--configs-dir", type=Path, default=_default_configs_dir())
     args = parser.parse_args(argv)
     if args.command == "check-config":
         return check_config(args.file, args.use_tis)
     if args.command == "analyze":
-        from .analyze import report
+        from .analyze.command import run
 
-        try:
-            text = report(args.dump_dir, allow_partial=args.allow_partial)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        print(text)
-        if args.out:
-            try:
-                args.out.write_text(text)
-            except OSError as error:
-                print(f"error: cannot write the report to {args.out}: {error.strerror or error}", file=sys.stderr)
-                return 1
-        return 0
+        return run(args)
     return plugin_demo(args.configs_dir)
 
 

@@ -1,5 +1,6 @@
 """The dump analyzer on synthetic dumps written in miles' --dump-details format."""
 
+import json
 import math
 import random
 import re
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from miles_mis import cli
-from miles_mis.analyze import NONFINITE_LIMIT, load_dumps, mismatch_summary, recommend, report, simulate_presets
+from miles_mis.analyze import NONFINITE_LIMIT, analyze as run_analysis
 
 
 def write_dump(directory, samples_per_rank, call=0, response_lengths=None):
@@ -59,15 +60,20 @@ def one_line_error(code, err):
     return err[len("error: "):-1]
 
 
+def markdown(capsys, directory, *argv):
+    """The Markdown report the CLI prints (exit 0, nothing on stderr)."""
+    code, out, err = analyze(capsys, directory, *argv)
+    assert code == 0, err
+    return out
+
+
 # --------------------------------------------------------------------------- recommendations
-def test_agreeing_engines_get_token_tis(tmp_path):
+def test_agreeing_engines_get_token_truncation(tmp_path):
     write_dump(tmp_path, {0: batch(0, 0.003)})
-    dump = load_dumps(tmp_path)
-    summary = mismatch_summary(dump)
-    assert summary["sequences"] == 16 and summary["valid tokens"] == 640
-    assert summary["token KL k3"] < 1e-4
-    choice, reasons = recommend(summary, simulate_presets(dump))
-    assert choice == "token_tis" and "agrees" in reasons[0]
+    result = run_analysis(tmp_path)
+    stats = result.statistics
+    assert stats["sequences"] == 16 and stats["tokens"] == 640 and stats["k3"] < 1e-4
+    assert result.recommendation.name == "token_truncate_U2" and "agrees" in result.recommendation.reasons[0]
 
 
 def test_catastrophic_tokens_get_the_veto(tmp_path):
@@ -77,12 +83,10 @@ def test_catastrophic_tokens_get_the_veto(tmp_path):
     rollout[5] = old[5] + 12.0  # ρ = e^-12 < 1e-4
     samples[3] = (old, rollout, mask)
     write_dump(tmp_path, {0: samples})
-    dump = load_dumps(tmp_path)
-    summary = mismatch_summary(dump)
-    assert summary["catastrophic fraction (rho < 1e-4)"] == pytest.approx(1 / 640)
-    presets = simulate_presets(dump)
-    assert presets["mis"]["kept token fraction"] == pytest.approx(15 / 16)  # the vetoed sequence
-    assert recommend(summary, presets)[0] == "mis"
+    result = run_analysis(tmp_path)
+    assert result.statistics["catastrophic_fraction"] == pytest.approx(1 / 640)
+    assert result.results["preset:mis"]["kept_token_fraction"] == pytest.approx(15 / 16)  # the vetoed sequence
+    assert result.recommendation.config.rs_veto_threshold is not None
 
 
 def test_heavy_tails_and_nonfinite_are_reported(tmp_path):
@@ -92,29 +96,31 @@ def test_heavy_tails_and_nonfinite_are_reported(tmp_path):
     rollout[0] = float("nan")
     samples[0] = (old, rollout, mask)
     write_dump(tmp_path, {0: samples})
-    text = report(tmp_path)
-    assert "engine bug" in text and "## Recommendation: `token_icepop`" in text
-    assert "| token_tis |" in text and "| geo_rs |" in text
-    assert "| non-finite engine log-prob fraction | 0.001563 |" in text  # 1 / 640
-    assert "| non-finite trainer log-prob fraction | 0 |" in text
+    result = run_analysis(tmp_path)
+    assert result.statistics["nonfinite_engine_fraction"] == pytest.approx(1 / 640)
+    assert result.statistics["nonfinite_trainer_fraction"] == 0.0
+    assert "NaN/inf log-probs" in result.recommendation.reasons[0]
+    assert {"preset:token_tis", "preset:geo_rs", "preset:mis"} <= set(result.results)
 
 
 def test_cp_shards_are_joined_across_ranks(tmp_path):
+    # shards not in the zigzag layout: every statistic but the by-position ones is the same, with a warning
     full = batch(3, 0.05, num=4)
     write_dump(tmp_path / "single", {0: full})
     write_dump(tmp_path / "cp2", split_cp2(full), response_lengths=[40] * 4)
-    a = mismatch_summary(load_dumps(tmp_path / "single"))
-    b = mismatch_summary(load_dumps(tmp_path / "cp2"))
-    for key in a:
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), key
+    a, b = run_analysis(tmp_path / "single").statistics, run_analysis(tmp_path / "cp2").statistics
+    for key in ("tokens", "k1", "k3", "chi2_token", "max_abs_log_ratio", "quantiles", "by_rollout_prob", "by_call"):
+        assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12) if isinstance(a[key], float) else \
+            json.dumps(b[key]) == json.dumps(a[key]), key
+    assert any("zigzag layout" in warning for warning in b["warnings"])
 
 
 def test_cli_analyze(tmp_path):
     write_dump(tmp_path / "d", {0: batch(4, 0.003)})
     out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "analyze", str(tmp_path / "d"), "--out",
                           str(tmp_path / "r.md")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "Recommendation" in (tmp_path / "r.md").read_text()
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "Recommendation" in (tmp_path / "r.md").read_text() == out.stdout[:-1]
     bad = write_dump(tmp_path / "bad", {0: batch(4, 0.003, num=2)}) / "rank_0_call_0.pt"
     bad.write_bytes(bad.read_bytes()[:100])  # truncated: the real process prints one line, no traceback
     broken = subprocess.run([sys.executable, "-m", "miles_mis.cli", "analyze", str(tmp_path / "bad")],
@@ -230,8 +236,7 @@ def test_no_valid_token_is_an_error(tmp_path, capsys):
 def test_an_unwritable_out_file_is_one_line(tmp_path, capsys):
     write_dump(tmp_path / "d", {0: batch(9, 0.003, num=2)})
     code, out, err = analyze(capsys, tmp_path / "d", "--out", tmp_path)  # a directory
-    assert "## Recommendation" in out
-    assert one_line_error(code, err).startswith(f"cannot write the report to {tmp_path}: ")
+    assert out == "" and one_line_error(code, err).startswith(f"cannot write {tmp_path}: ")
 
 
 # --------------------------------------------------------------------------- completeness across ranks
@@ -249,8 +254,7 @@ def test_a_call_missing_a_cp_rank_is_an_error(tmp_path, capsys):
     out = _hand_cp2_dump(tmp_path)
     (out / "rank_1_call_1.pt").unlink()
     assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
-        f"{tmp_path}: incomplete dump: call 1 lacks rank 1; call 1 sequence 0 holds 2 of its 4 response tokens "
-        f"({out / 'rank_0_call_1.pt'}); pass --allow-partial to analyse what is there")
+        f"{tmp_path}: incomplete dump: call 1 lacks rank 1; pass --allow-partial to analyse what is there")
 
 
 def test_a_cp_rank_missing_from_every_call_is_an_error(tmp_path, capsys):
@@ -258,28 +262,27 @@ def test_a_cp_rank_missing_from_every_call_is_an_error(tmp_path, capsys):
     (out / "rank_1_call_0.pt").unlink()  # rank coverage cannot see it: the response lengths do
     assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
         f"{tmp_path}: incomplete dump: call 0 sequence 0 holds 10 of its 40 response tokens "
-        f"({out / 'rank_0_call_0.pt'}); call 0 sequence 1 holds 10 of its 40 response tokens "
         f"({out / 'rank_0_call_0.pt'}); pass --allow-partial to analyse what is there")
 
 
 def test_allow_partial_analyses_what_is_there_with_a_warning(tmp_path, capsys):
     out = _hand_cp2_dump(tmp_path)
     (out / "rank_1_call_1.pt").unlink()
-    dump = load_dumps(tmp_path, allow_partial=True)
-    assert dump.warnings == [f"partial dump (--allow-partial), the statistics cover only what is there: call 1 lacks "
-                             f"rank 1; call 1 sequence 0 holds 2 of its 4 response tokens ({out / 'rank_0_call_1.pt'})"]
-    summary = mismatch_summary(dump)  # tokens ℓ = [0, 0, 0, 0 | log 3, 0], ρ = [1, 1, 1, 1 | 3, 1]
-    assert summary["sequences"] == 2 and summary["valid tokens"] == 6 and summary["mean response length"] == 3
-    assert summary["token KL k1 (mean log pi_rollout - log pi_old)"] == pytest.approx(-math.log(3) / 6)
-    assert summary["token KL k3"] == pytest.approx((3 - math.log(3) - 1) / 6)
-    assert summary["chi2 token (mean rho^2 - 1)"] == pytest.approx((5 + 9) / 6 - 1)
-    assert summary["max abs(log ratio)"] == pytest.approx(math.log(3))
-    assert summary["fraction rho > 2"] == pytest.approx(1 / 6) and summary["fraction rho < 0.5"] == 0
-    assert summary["sequences with abs(sum log ratio) > log 2"] == 0.5
-    code, text, err = analyze(capsys, tmp_path, "--allow-partial")
-    assert code == 0 and err == ""
-    lines = text.splitlines()
-    assert lines[0] == f"# miles_mis analysis of {tmp_path}" and lines[2] == f"**warning: {dump.warnings[0]}**"
+    stats = run_analysis(tmp_path, allow_partial=True).statistics
+    assert stats["warnings"][0] == ("partial dump (--allow-partial), the statistics cover only what is there: call 1 "
+                                    "lacks rank 1")
+    assert ("partial dump (--allow-partial): some sequences hold fewer tokens than their response_length, e.g. call 1 "
+            f"sequence 0 holds 2 of its 4 response tokens ({out / 'rank_0_call_1.pt'})") in stats["warnings"]
+    # tokens ℓ = [0, 0, 0, 0 | log 3, 0], ρ = [1, 1, 1, 1 | 3, 1]
+    assert stats["sequences"] == 2 and stats["tokens"] == 6 and stats["mean_response_length"] == 4
+    assert stats["k1"] == pytest.approx(-math.log(3) / 6)
+    assert stats["k3"] == pytest.approx((3 - math.log(3) - 1) / 6)
+    assert stats["chi2_token"] == pytest.approx((5 + 9) / 6 - 1)
+    assert stats["max_abs_log_ratio"] == pytest.approx(math.log(3))
+    assert stats["fraction_ratio_above_2"] == pytest.approx(1 / 6) and stats["fraction_ratio_below_half"] == 0
+    assert stats["seq_product_outside_half_two_fraction"] == 0.5
+    text = markdown(capsys, tmp_path, "--allow-partial")
+    assert text.splitlines()[0] == f"# miles_mis analysis of {tmp_path}" and stats["warnings"][0] in text
 
 
 def test_duplicate_rank_and_call_from_two_runs_is_an_error(tmp_path, capsys):
@@ -307,10 +310,10 @@ def test_different_sequences_under_one_call_and_index_are_an_error(tmp_path, cap
 def test_dumps_without_response_length_are_checked_by_rank_coverage_only(tmp_path):
     out = write_dump(tmp_path, {0: batch(15, 0.003, num=3)})
     _rewrite(out / "rank_0_call_0.pt", lambda d: [sample.pop("response_length") for sample in d["samples"]])
-    dump = load_dumps(tmp_path)
-    assert dump.warnings == ["3 sequences carry no response_length: their completeness was checked by rank coverage "
-                             "only"]
-    assert mismatch_summary(dump)["valid tokens"] == 120
+    stats = run_analysis(tmp_path).statistics
+    assert stats["warnings"] == ["some sequences carry no response_length: their completeness was checked by rank "
+                                 "coverage only"]
+    assert stats["tokens"] == 120
 
 
 # --------------------------------------------------------------------------- broken log-probs
@@ -328,35 +331,35 @@ def _with_nan(samples, count, side="rollout"):
 CELL_NAN = re.compile(r"\|\s*[-+]?(nan|inf)\s*\|", re.IGNORECASE)
 
 
-def test_mostly_nonfinite_engine_log_probs_get_no_recommendation(tmp_path):
+def test_mostly_nonfinite_engine_log_probs_get_no_recommendation(tmp_path, capsys):
     write_dump(tmp_path, {0: _with_nan(batch(16, 0.003), 10)})  # 400 of 640 valid tokens
-    text = report(tmp_path)
-    assert "## Recommendation: none" in text and "agrees" not in text and "Use it with" not in text
-    assert ("- the engine's log-probs are broken: 62.5% of valid tokens are NaN/inf (engine 62.5%, trainer 0.0%; "
-            f"the limit is {NONFINITE_LIMIT:.0%})") in text
-    assert "| non-finite token fraction | 0.625 |" in text
-    assert "Not simulated: the log-probs are broken" in text and not CELL_NAN.search(text)
+    result = run_analysis(tmp_path)
+    assert result.recommendation.name is None and result.results == {}
+    assert result.recommendation.reasons[0].startswith("the engine's log-probs are broken: 62.5% of the valid tokens")
+    assert result.statistics["nonfinite_fraction"] == 0.625 > NONFINITE_LIMIT
+    text = markdown(capsys, tmp_path)
+    assert "broken" in text and "--custom-config-path" not in text and not CELL_NAN.search(text)
 
 
-def test_all_nonfinite_trainer_log_probs_leave_no_nan_in_the_report(tmp_path):
+def test_all_nonfinite_trainer_log_probs_leave_no_nan_in_the_report(tmp_path, capsys):
     write_dump(tmp_path, {0: _with_nan(batch(17, 0.003, num=2), 2, side="train")})
-    summary = mismatch_summary(load_dumps(tmp_path))
-    assert summary["non-finite trainer log-prob fraction"] == 1.0 and summary["token KL k3"] is None
-    assert summary["chi2 token (mean rho^2 - 1)"] is None and summary["max abs(log ratio)"] is None
-    text = report(tmp_path)
-    assert "- the trainer's log-probs are broken: 100.0% of valid tokens are NaN/inf" in text
-    assert "| token KL k3 | n/a |" in text and "| chi2 token (mean rho^2 - 1) | n/a |" in text
-    assert not CELL_NAN.search(text) and "Use it with" not in text
+    result = run_analysis(tmp_path)
+    stats = result.statistics
+    assert stats["nonfinite_trainer_fraction"] == 1.0 and stats["k3"] is None
+    assert stats["chi2_token"] is None and stats["max_abs_log_ratio"] is None
+    assert result.recommendation.reasons[0].startswith("the trainer's log-probs are broken: 100% of the valid")
+    text = markdown(capsys, tmp_path)
+    assert "n/a" in text and not CELL_NAN.search(text) and "--custom-config-path" not in text
 
 
-def test_half_nonfinite_is_at_the_limit_and_still_recommends(tmp_path):
+def test_half_nonfinite_is_at_the_limit_and_still_recommends(tmp_path, capsys):
     write_dump(tmp_path, {0: _with_nan(batch(18, 0.003), 8)})  # 320 / 640 = the limit, not above it
-    dump = load_dumps(tmp_path)
-    summary = mismatch_summary(dump)
-    assert summary["non-finite token fraction"] == NONFINITE_LIMIT == 0.5
-    choice, reasons = recommend(summary, simulate_presets(dump))
-    assert choice == "token_tis" and "engine bug" in reasons[0]
-    assert not CELL_NAN.search(report(tmp_path))
+    result = run_analysis(tmp_path)
+    assert result.statistics["nonfinite_fraction"] == NONFINITE_LIMIT == 0.5
+    # judged, not refused: every candidate rejects the half with NaN, so none keeps 95 % and the reasons say so
+    assert result.results and "NaN/inf log-probs" in result.recommendation.reasons[0]
+    assert all(row["kept_token_fraction"] <= 0.5 for row in result.results.values() if row["config"]["use_tis"])
+    assert not CELL_NAN.search(markdown(capsys, tmp_path))
 
 
 def test_fill_values_count_as_non_finite_like_in_the_plugin(tmp_path):
@@ -365,12 +368,12 @@ def test_fill_values_count_as_non_finite_like_in_the_plugin(tmp_path):
     samples[1][1][3] = -3.0e38  # a fill value in the engine's log-probs, as padding code writes it
     samples[2][0][0] = torch.finfo(torch.float32).min  # and one in the trainer's
     write_dump(tmp_path, {0: samples})
-    summary = mismatch_summary(load_dumps(tmp_path))
-    valid = summary["valid tokens"]
-    assert summary["non-finite token fraction"] == 2 / valid
-    assert summary["non-finite engine log-prob fraction"] == 1 / valid
-    assert summary["non-finite trainer log-prob fraction"] == 1 / valid
-    assert summary["max abs(log ratio)"] < 1.0  # the fill values never enter a statistic
+    stats = run_analysis(tmp_path).statistics
+    valid = stats["tokens"]
+    assert stats["nonfinite_fraction"] == 2 / valid
+    assert stats["nonfinite_engine_fraction"] == 1 / valid
+    assert stats["nonfinite_trainer_fraction"] == 1 / valid
+    assert stats["max_abs_log_ratio"] < 1.0  # the fill values never enter a statistic
 
 
 def _quantized(values):
@@ -407,6 +410,5 @@ def test_odd_tensors_in_a_dump_are_one_line(tmp_path, capsys, make, words):
 def test_negative_mask_values_are_valid_like_in_the_plugin(tmp_path):
     old = -torch.rand(4, generator=torch.Generator().manual_seed(0))
     write_dump(tmp_path, {0: [(old, old - 0.1, -torch.ones(4))]})
-    summary = mismatch_summary(load_dumps(tmp_path))
-    assert summary["valid tokens"] == 4 and summary["token KL k1 (mean log pi_rollout - log pi_old)"] == \
-        pytest.approx(-0.1, rel=1e-5)
+    stats = run_analysis(tmp_path).statistics
+    assert stats["tokens"] == 4 and stats["k1"] == pytest.approx(-0.1, rel=1e-5)

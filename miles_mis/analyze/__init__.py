@@ -1,9 +1,15 @@
 """``miles-mis analyze``: read miles ``--dump-details`` policy-loss dumps and say which correction the engine needs.
 
 A package, one concept a module: ``reading`` (discovery, validation, streaming by call), ``statistics``
-(where the mismatch lives), ``advisor`` (candidate configs on the dumped tokens, the recommendation),
-``figures`` and ``report`` (Markdown, JSON, PNG, comparison of two dumps).
+(where the mismatch lives), ``advisor`` (candidate configs on the dumped tokens, the recommendation,
+``--write-config``), ``figures`` and ``report`` (Markdown, JSON, PNG, comparison of two dumps), and
+``command`` (the pipeline and the command line). docs/analyze.md explains every section of the report.
 """
 
-from .legacy import (CANDIDATES, NONFINITE_LIMIT, Dump, load_dumps, logprobs_broken, mismatch_summary,  # noqa: F401
-                     recommend, report, simulate_presets)
+from .advisor import NONFINITE_LIMIT, CandidateEvaluator, Recommendation, candidate_grid, recommend, write_config
+from .command import Analysis, analyze
+from .reading import CallBatch, DumpReader
+from .statistics import StatisticsAccumulator, compute
+
+__all__ = ["NONFINITE_LIMIT", "Analysis", "CallBatch", "CandidateEvaluator", "DumpReader", "Recommendation",
+           "StatisticsAccumulator", "analyze", "candidate_grid", "compute", "recommend", "write_config"]

@@ -106,7 +106,7 @@ class DumpReader:
             if self.progress:
                 _progress(done, len(self.files))
             yield batch
-        if self.progress:
+        if self.progress and sys.stderr.isatty():
             print(file=sys.stderr)
 
     def load_all(self) -> CallBatch:
