@@ -275,7 +275,7 @@ def test_yaml_numbers_are_read_from_their_text_like_the_command_line(tmp_path, t
 def test_yaml_numbers_the_command_line_refuses_are_refused(tmp_path, text):
     config = tmp_path / "flags.yaml"
     config.write_text(f"eps_clip: {text}\n")
-    with pytest.raises(ValueError, match=rf"flags\.yaml: key 'eps_clip' \(--eps-clip\)"):
+    with pytest.raises(ValueError, match=r"flags\.yaml: key 'eps_clip' \(--eps-clip\)"):
         host.parse_args(["--custom-config-path", str(config)])
     with pytest.raises(SystemExit):
         host.parse_args(["--eps-clip", text])
