@@ -202,7 +202,8 @@ def test_grid_from_quantiles():
     config = grid["token_mask_q0.01_0.99"]
     assert (config.tis_level, config.tis_mode) == ("token", "mask")
     assert (config.tis_lower_bound, config.tis_upper_bound) == (math.exp(-0.2), math.exp(0.2))
-    assert grid["geometric_mask_q0.001_0.999"].tis_lower_bound == math.exp(-0.5)
+    assert grid["token_mask_q0.001_0.999"].tis_lower_bound == math.exp(-0.5)
+    assert not any(name.startswith(("geometric", "sequence")) and "_q0" in name for name in grid)  # token quantiles
     assert grid["token_icepop_q0.001_0.999"].tis_upper_bound == math.exp(0.5)
     assert grid["token_truncate_q0.999"].tis_upper_bound == math.exp(0.5)
     assert grid["token_truncate_q0.99"].tis_upper_bound == math.exp(0.2)

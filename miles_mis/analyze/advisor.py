@@ -28,10 +28,11 @@ K the kept tokens (still in the modified mask) and N the valid tokens:
 Every value is a float, or None where there is nothing to compute it on: never NaN or inf, so the results go
 into report.json as they are.
 
-The candidate grid (``candidate_grid``, ~32 configs): token / sequence / geometric levels; truncate, mask and
+The candidate grid (``candidate_grid``, ~30 configs): token / sequence / geometric levels; truncate, mask and
 IcePop modes; the usual constant bounds (token [0.5, 2] and U = 2, sequence [0.5, 2] and U = 2, geometric
 [0.999, 1.001] and [0.99, 1.01]); bounds from the dump's own quantiles q of ℓ = log π_old − log π_rollout
-(ratio bound exp(q) inside [e^-20, e^20]; two-sided q0.01–q0.99 and q0.001–q0.999 at token and geometric level,
+(ratio bound exp(q) inside [e^-20, e^20]; two-sided q0.01–q0.99 and q0.001–q0.999 at token level only, since
+they are quantiles of token ratios,
 truncation at q0.99 and q0.999 when exp(q) > 1: truncating at U ≤ 1 would bound the typical token); veto
 variants (1e-4, 1e-6) of the main families; every shipped preset (``preset:<name>``, ``use_tis`` on unless the
 preset sets it, so ``preset:metrics_only`` is the uncorrected baseline).
@@ -91,7 +92,7 @@ _CONSTANT = (("token", "truncate", (None, 2.0)), ("token", "mask", (0.5, 2.0)), 
              ("geometric", "mask", (0.999, 1.001)), ("geometric", "mask", (0.99, 1.01)))
 _QUANTILE_PAIRS = (("0.01", "0.99"), ("0.001", "0.999"))  # two-sided bounds from the dump's quantiles of ℓ
 _QUANTILE_UPPERS = ("0.99", "0.999")  # truncation bounds from the dump's upper quantiles of ℓ
-_QUANTILE_FAMILIES = (("token", "mask"), ("token", "icepop"), ("geometric", "mask"))
+_QUANTILE_FAMILIES = (("token", "mask"), ("token", "icepop"))  # token quantiles bound token ratios only
 _VETO_BASES = ("token_truncate_U2", "token_mask_0.5_2", "token_icepop_0.5_2", "geometric_mask_0.999_1.001")
 
 
