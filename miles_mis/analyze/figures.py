@@ -133,18 +133,18 @@ def _save(figure, path: Path) -> None:
 
 
 def _bucket_figure(rows: list, title: str, xlabel: str, panels: list, count_key: str):
-    rows = [row for row in rows if (_number(row.get(count_key)) or 0) > 0]  # empty buckets are not drawn
+    rows = [row for row in rows if (finite_number(row.get(count_key)) or 0) > 0]  # empty buckets are not drawn
     figure, axes = _new_figure(len(panels) + 1, height=2.4)
     figure.suptitle(title)
     labels = [str(row.get("bucket", i)) for i, row in enumerate(rows)]
     x = list(range(len(rows)))
     for ax, (metric, label) in zip(axes, panels):
-        values = [_number(row.get(metric)) for row in rows]
+        values = [finite_number(row.get(metric)) for row in rows]
         ax.plot(x, _gaps(values), marker="o")
         ax.set_ylabel(label)
         _log_if_decades(ax, values)
         ax.grid(True, alpha=0.3)
-    counts = [_number(row.get(count_key)) or 0.0 for row in rows]
+    counts = [finite_number(row.get(count_key)) or 0.0 for row in rows]
     ax = axes[-1]
     ax.bar(x, counts, color="0.6")
     ax.set_ylabel(count_key)
@@ -160,7 +160,7 @@ def _calls_figure(rows: list):
     figure, (k3_axis, max_axis) = _new_figure(2)
     figure.suptitle("Mismatch over calls (training time)")
     calls = [row.get("call") for row in rows]
-    k3 = [_number(row.get("k3")) for row in rows]
+    k3 = [finite_number(row.get("k3")) for row in rows]
     k3_axis.plot(calls, _gaps(k3), marker="o", linestyle="-", label="k3 of the call")
     fit = least_squares([(c, v) for c, v in zip(calls, k3) if c is not None and v is not None])
     if fit is not None and len(calls) > 1:
@@ -172,7 +172,7 @@ def _calls_figure(rows: list):
     k3_axis.set_ylabel("token k3 (mean over the call)")
     _log_if_decades(k3_axis, k3)
     k3_axis.grid(True, alpha=0.3)
-    max_axis.plot(calls, _gaps([_number(row.get("max_abs_log_ratio")) for row in rows]), marker=".", color="C1")
+    max_axis.plot(calls, _gaps([finite_number(row.get("max_abs_log_ratio")) for row in rows]), marker=".", color="C1")
     max_axis.set_ylabel("max |Δ log p| in the call")
     max_axis.set_xlabel("call (dump order = training time)")
     max_axis.grid(True, alpha=0.3)
@@ -198,7 +198,7 @@ def _histogram_figure(histogram: Mapping[str, Any], bounds: list[tuple[str, floa
     figure, (ax,) = _new_figure(1, height=4.5)
     ax.set_title("Token log ratio l = log π_old − log π_rollout (all usable tokens)")
     edges, counts = _occupied(_finite_edges(histogram.get("edges") or []),
-                              [_number(c) or 0.0 for c in histogram.get("counts") or []])
+                              [finite_number(c) or 0.0 for c in histogram.get("counts") or []])
     if counts:
         ax.stairs(counts, edges, fill=True, alpha=0.7, label="tokens")
         ax.set_yscale("log")
@@ -234,7 +234,7 @@ def _note_centre(ax, edges: list[float], counts: list[float]) -> None:
 
 def _finite_edges(edges: list) -> list[float]:
     """Edges with infinite/None outer edges replaced by a finite extension (doubling the last finite one)."""
-    values = [_number(e) for e in edges]
+    values = [finite_number(e) for e in edges]
     finite = [v for v in values if v is not None]
     if not finite:
         return []
@@ -276,14 +276,16 @@ def _log_if_decades(ax, values: list) -> None:
         ax.set_yscale("log")
 
 
-def _number(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
+def finite_number(value: Any) -> float | None:
+    """A finite float, or None for None, booleans, strings, NaN, ±inf and anything not a number (the report's
+    and the figures' one rule for what is shown as a value)."""
+    if value is None or isinstance(value, (bool, str)):
         return None
     try:
-        value = float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return None
-    return value if math.isfinite(value) else None
+    return number if math.isfinite(number) else None
 
 
 def _gaps(values: list) -> list[float]:
@@ -292,5 +294,5 @@ def _gaps(values: list) -> list[float]:
 
 
 def _positive(value: Any) -> bool:
-    number = _number(value)
+    number = finite_number(value)
     return number is not None and number > 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
+from .figures import finite_number as _finite
 
 USAGE = "--use-tis --custom-tis-function-path miles_mis.compute_mis_weights_with_cp --custom-config-path"
 
@@ -74,16 +75,6 @@ def fmt(value: Any) -> str:
     if isinstance(value, int) or (number.is_integer() and abs(number) < 1e6):
         return str(int(number))
     return f"{number:.4g}"
-
-
-def _finite(value: Any) -> float | None:
-    if value is None or isinstance(value, (bool, str)):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
