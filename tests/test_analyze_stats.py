@@ -196,3 +196,20 @@ def test_partitions_into_batches_do_not_matter():
     split.update(b)
     whole.update(CallBatch.join([a, b]))
     assert _close(split.result(), whole.result())
+
+
+def test_progress_bar_over_files_on_a_terminal_only(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    write_run(tmp_path, make_run(calls=3, num=2, length=8), cp=2)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        list(DumpReader(tmp_path, progress=True).batches())
+        text = stream.getvalue()
+        assert ("reading dumps [" in text and "6/6 files" in text) == shown and (text == "") != shown
