@@ -50,6 +50,11 @@ class MisConfig:
     tis_batch_normalize_scope: "micro_batch" (the mean of this micro-batch, as miles) or "dp" (the mean
         over the current micro-batch of every data-parallel rank: one more all-reduce per call).
     tis_bounds: alias setting both tis bounds at once, "L_U" or [L, U] (verl's IcePop spelling).
+    rs_batch_gate: a mapping statistic -> threshold (statistics: k3, kl, max_abs_log_ratio of the whole
+        micro-batch); when any is exceeded every weight and mask of the micro-batch is 0. Stored as a tuple
+        of (statistic, threshold) in miles_mis.gate.STATISTICS order.
+    rs_batch_gate_scope: "micro_batch" (every CP rank of this micro-batch) or "dp" (also every DP rank).
+    metrics_low_prob_threshold: θ of mis_k3_low_rollout_prob (tokens with π_rollout < θ), in (0, 1).
     rs_divergence: rejection by divergence statistics, a mapping option -> threshold, all ANDed; k1
         options take a ratio range "L_U" or [L, U], k2/k3 options an upper bound. Stored normalised as a
         tuple of (option, lower, upper) in DIVERGENCE_OPTIONS order (lower None for k2/k3).
@@ -69,6 +74,9 @@ class MisConfig:
     tis_batch_normalize_scope: str = "micro_batch"
     tis_bounds: Any = None
     rs_divergence: Any = None
+    rs_batch_gate: Any = None
+    rs_batch_gate_scope: str = "micro_batch"
+    metrics_low_prob_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -89,6 +97,13 @@ class MisConfig:
             set_("tis_upper_bound", upper_alias)
             set_("tis_bounds", None)  # an input alias only: the bounds carry the values
         set_("rs_divergence", _as_divergence(self.rs_divergence))
+        set_("rs_batch_gate", _as_gate(self.rs_batch_gate))
+        set_("rs_batch_gate_scope", _as_choice("rs_batch_gate_scope", self.rs_batch_gate_scope, NORMALIZE_SCOPES))
+        low = _as_positive("metrics_low_prob_threshold", self.metrics_low_prob_threshold, required=True)
+        if not low < 1.0:
+            raise ValueError(f"metrics_low_prob_threshold={self.metrics_low_prob_threshold!r} is invalid: allowed "
+                             "values are probabilities in (0, 1)")
+        set_("metrics_low_prob_threshold", low)
         upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
         if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
@@ -187,6 +202,7 @@ class MisConfig:
         out = dataclasses.asdict(self)
         out["rs_divergence"] = {option: (upper if lower is None else [lower, upper])
                                 for option, lower, upper in self.rs_divergence} or None
+        out["rs_batch_gate"] = dict(self.rs_batch_gate) or None
         return out
 
 
@@ -384,6 +400,26 @@ def _as_divergence(value: Any) -> tuple[tuple[str, float | None, float], ...]:
                                  "statistic (a positive number), k1 options take a ratio range")
             out[option] = (option, None, _as_positive(key, threshold, required=True))
     return tuple(out[o] for o in DIVERGENCE_OPTIONS if o in out)
+
+
+def _as_gate(value: Any) -> tuple[tuple[str, float], ...]:
+    """Normalise rs_batch_gate into ((statistic, threshold), ...) in gate.STATISTICS order."""
+    from .gate import STATISTICS
+
+    if value is None or value == () or value == {}:  # off ({} as YAML writes an empty mapping)
+        return ()
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"rs_batch_gate={value!r} is invalid: allowed values are null or a mapping from statistic "
+                         f"({', '.join(STATISTICS)}) to a threshold, e.g. {{k3: 0.05}}")
+    out = {}
+    for name, threshold in value.items():
+        if name not in STATISTICS:
+            raise ValueError(f"rs_batch_gate: unknown statistic {name!r}{_did_you_mean(str(name), STATISTICS)}; "
+                             f"allowed statistics: {', '.join(STATISTICS)}")
+        out[name] = _as_positive(f"rs_batch_gate.{name}", threshold, required=True)
+    return tuple((name, out[name]) for name in STATISTICS if name in out)
 
 
 # Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import divergence
+from . import divergence, gate, location
 from .config import MisConfig
 from .ops import LOG_RATIO_CLAMP, indicator
 
@@ -52,6 +52,7 @@ class PackedBatch:
     seq_lengths: Tensor  # [B] int64, local tokens per sequence
     seq_index: Tensor  # [N] int64, sequence of each token
     segment_matrix: Tensor  # [B, N] sparse CSR of ones: segment_matrix @ x = per-sequence sums of x
+    positions: Tensor  # [N] int64, each token's position in its response (0 = the first generated token)
 
     @property
     def num_seqs(self) -> int:
@@ -59,7 +60,9 @@ class PackedBatch:
 
     @classmethod
     def from_flat(cls, train_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
-                  seq_lengths: Tensor) -> "PackedBatch":
+                  seq_lengths: Tensor, positions: Tensor | None = None) -> "PackedBatch":
+        """``positions``: response positions of the tokens (under CP, from the zigzag layout); None = every
+        sequence's tokens are its whole response, in order."""
         device = train_log_probs.device
         num_tokens = train_log_probs.numel()
         seq_lengths = seq_lengths.to(device=device, dtype=torch.long)
@@ -74,8 +77,10 @@ class PackedBatch:
             segment_matrix = torch.sparse_csr_tensor(
                 row_offsets, torch.arange(num_tokens, device=device), torch.ones(num_tokens, device=device),
                 size=(seq_lengths.numel(), num_tokens), check_invariants=False)
+        if positions is None:  # the token's index minus its sequence's first index
+            positions = torch.arange(num_tokens, device=device).sub_(row_offsets.index_select(0, seq_index))
         return cls(train_log_probs.float(), rollout_log_probs.float(), loss_mask, seq_lengths, seq_index,
-                   segment_matrix)
+                   segment_matrix, positions.to(device=device, dtype=torch.long))
 
     def per_seq_sum(self, values: Tensor) -> Tensor:
         """[N] -> [B] sums over each sequence's tokens."""
@@ -133,6 +138,7 @@ class TokenTerms:
     train_log_probs: Tensor  # log π_train, 0 where not usable
     log_ratio: Tensor  # ℓ_t, 0 where not usable (so ρ_t = 1 there)
     token_ratio: Tensor  # ρ_t = exp(clamp(ℓ_t))
+    k3: Tensor  # max(ρ_t − ℓ_t − 1, 0), 0 where not usable
     catastrophic: Tensor  # usable and ℓ_t < log(veto threshold)
     token_pass: Tensor  # usable and not rejected by a token-level stage
     token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
@@ -155,6 +161,9 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
     train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
     token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
+    # 0 where not usable (ℓ = 0, ρ = 1); clamped at 0: for |ℓ| ~ 1e-7 (agreeing engines) ρ − ℓ − 1 rounds
+    # below 0 in float32, and k3 ≥ 0 is what makes it a divergence
+    k3 = (token_ratio - log_ratio).sub_(1.0).clamp_(min=0.0)
 
     if config.rs_veto_threshold is not None:
         # compare the raw ℓ_t, not the clamped ratio: a threshold below e^-20 must still fire
@@ -177,7 +186,7 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
         kept = divergence.token_decisions(config.rs_divergence, estimators)
         for keep in kept.values():
             token_pass = token_pass * keep
-    return TokenTerms(valid, usable, train, log_ratio, token_ratio, catastrophic, token_pass, token_weight,
+    return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, catastrophic, token_pass, token_weight,
                       estimators, kept)
 
 
@@ -208,9 +217,7 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
     values = {
         "n_valid": terms.valid, "n_usable": terms.usable,
         "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
-        # 0 where not usable (ℓ = 0, ρ = 1); clamped at 0: for |ℓ| ~ 1e-7 (agreeing engines) ρ − ℓ − 1 rounds
-        # below 0 in float32, and k3 ≥ 0 is what makes it a divergence
-        "sum_k3": (terms.token_ratio - terms.log_ratio).sub_(1.0).clamp_(min=0.0),
+        "sum_k3": terms.k3,
         "sum_ratio_sq": terms.token_ratio.square().mul_(terms.usable),
         "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
         "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,
@@ -250,6 +257,7 @@ class Correction:
     token_keep: Tensor  # [N] float 0/1: local token stays in the mask
     seq_keep: Tensor  # [B] bool: sequence not rejected by a sequence-level stage
     metrics: dict[str, Tensor]  # name (with mis_ prefix) -> [N] float32, aligned with the local tokens
+    message: str | None = None  # a warning for the host's log (the batch gate fired), else None
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -292,23 +300,49 @@ def level_log_ratio(stats: Tensor, level: str) -> Tensor:
     raise ValueError(f"level={level!r} has no per-sequence ratio: allowed values are sequence, geometric")
 
 
+def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig) -> Tensor:
+    """This rank's fixed-size vector of batch sums (miles_mis.location.NAMES): combined over CP ranks with
+    ``location.combine`` (it travels in the agreement header)."""
+    return location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
+                                 batch.positions, config.metrics_low_prob_threshold)
+
+
 def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
-             reduce_normalizer: Callable[[Tensor], Tensor] | None = None) -> Correction:
+             reduce_normalizer: Callable[[Tensor], Tensor] | None = None, batch_values: Tensor | None = None,
+             reduce_gate: Callable[[Tensor], Tensor] | None = None) -> Correction:
     """Sequence-level decisions, final weights and all metrics for this rank's tokens.
 
     ``stats`` is the per-sequence table combined over the context-parallel group, so every rank
     takes the same sequence-level decisions and the same batch-level normalisation. Everything
     per-sequence is gathered in one [B, M] table and broadcast to the tokens once.
+    ``batch_values``: the batch-sum vector combined over the CP group (None: this rank's own, cp = 1).
     ``reduce_normalizer`` sums the [numerator, denominator] of the normalisation mean over the
     data-parallel group (``tis_batch_normalize_scope: dp``); None keeps it per micro-batch.
+    ``reduce_gate`` combines the batch gate's parts over the DP group (``rs_batch_gate_scope: dp``).
     """
     seq_values = mismatch_seq_metrics(stats)
     token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
+    if batch_values is None:
+        batch_values = local_batch_values(batch, terms, config)
+    # -- where the mismatch lives, and the batch gate's statistics: every call, correction or not
+    batch_metrics = location.metrics(batch_values)
+    gate_parts = gate.parts(stats[:, COL["sum_k3"]].sum(), stats[:, COL["sum_log_ratio"]].sum(),
+                            stats[:, COL["n_usable"]].sum(), batch_values[location.INDEX["max_abs_log_ratio"]])
+    if reduce_gate is not None:
+        gate_parts = reduce_gate(gate_parts)
+    gate_statistics = gate.statistics(gate_parts)
+    batch_metrics.update({f"batch_{name}": value for name, value in gate_statistics.items()})
     if not config.use_tis:
+        token_metrics.update(_expand(batch_metrics, batch.seq_index.numel()))
         return Correction(None, terms.valid, torch.ones(batch.num_seqs, dtype=torch.bool, device=stats.device),
                           _metrics(token_metrics, _broadcast(batch, seq_values)))
 
     seq_reject = torch.zeros(batch.num_seqs, dtype=torch.bool, device=stats.device)
+    message = None
+    if config.rs_batch_gate:  # a catastrophic batch: every sequence rejected, every weight 0
+        gated, message = gate.decide(gate_statistics, config.rs_batch_gate)
+        batch_metrics["batch_gated"] = torch.tensor(float(gated), device=stats.device)
+        seq_reject = seq_reject | gated
     # -- importance weights before/after bounding, at tis_level
     if config.tis_level == "token":
         token_metrics["tis_weight_before_bound"] = terms.token_ratio
@@ -378,7 +412,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         factor = torch.ones_like(mean_w)
     any_kept = max_w >= 0
     n_valid = stats[:, COL["n_valid"]].sum()
-    batch_values = {
+    norm_values = {
         "batch_norm_factor": factor,
         "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
         "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, torch.zeros_like(factor)),
@@ -409,8 +443,12 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     weight = (weight / factor).detach()
     token_metrics["is_ratio_mean_final"] = weight
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
-    token_metrics.update({name: value.expand(weight.numel()).contiguous() for name, value in batch_values.items()})
-    return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token))
+    token_metrics.update(_expand({**norm_values, **batch_metrics}, weight.numel()))
+    return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token), message)
+
+
+def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:
+    return {name: value.float().expand(num_tokens).contiguous() for name, value in values.items()}
 
 
 def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:

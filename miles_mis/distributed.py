@@ -29,7 +29,7 @@ from torch import Tensor
 LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 _INTS = "<6q"  # magic, error flag, error sequence, batch size, table width, config fingerprint
-PAYLOAD_SLOTS = 4
+PAYLOAD_SLOTS = 24  # the batch-sum vector of miles_mis.location (18) and the DP exchanges' numbers
 _FLOATS = f"<{PAYLOAD_SLOTS}d"
 MESSAGE_BYTES, CONFIG_BYTES = 512, 1536
 HEADER_BYTES = struct.calcsize(_INTS) + struct.calcsize(_FLOATS) + MESSAGE_BYTES + CONFIG_BYTES
@@ -266,6 +266,16 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group) -> Tensor:
                            for r in range(cp.size))
         raise PeerFailure(f"sequence {i}: context-parallel ranks disagree on its lengths ({values})")
     return gathered[:, :, :num_stats].to(stats.dtype)
+
+
+def dp_reduce(values: Tensor, group: Group, config_text: str, reduce: Sequence[str]) -> Tensor:
+    """Combine a few numbers over the data-parallel group, each by "sum" or "max" (``reduce``), inside the
+    agreement header: one collective, and a failed or differently configured DP rank makes every rank raise."""
+    if group.size == 1:
+        return values
+    headers = agree(group, "dp", config_text=config_text, payload=values.detach().double().cpu().tolist())
+    total = [(max if how == "max" else sum)(h.payload[i] for h in headers) for i, how in enumerate(reduce)]
+    return torch.tensor(total, dtype=torch.float64).to(device=values.device, dtype=values.dtype)
 
 
 def dp_sum(values: Tensor, group: Group, config_text: str) -> Tensor:

@@ -3,19 +3,23 @@
 This is the only layer that sees argparse Namespaces and per-sequence lists; it validates them,
 packs this rank's tokens into one ``PackedBatch``, runs the pure core, and exchanges the
 per-sequence table over the context-parallel group (one collective, ``miles_mis.distributed``).
+Hosts that already hold packed tokens (THD, padding removed) call ``compute_mis_weights_packed``,
+which validates the flat tensors and ``cu_seqlens`` and builds the same ``PackedBatch`` without lists.
 The host contract is in docs/contract.md; the CP layout in docs/cp.md.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from . import core, distributed
+from . import core, distributed, gate, location
 from .config import MisConfig
 from .layout import QKV_FORMATS, zigzag_layout
 
@@ -81,19 +85,63 @@ def compute_mis_weights(
     """
     config = MisConfig.from_args(args)
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks)
-    batch = packed.batch
-    terms = core.token_terms(batch, config)
-    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
+    correction = _correct_whole_sequences(packed.batch, config)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
     return weights, split(_full_masks(packed, correction)), {k: split(v) for k, v in correction.metrics.items()}
 
 
+def compute_mis_weights_packed(
+    config: Any,
+    *,
+    train_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    """Packed API for hosts that already hold concatenated response tokens (Megatron THD, verl without padding).
+
+    ``train_log_probs``, ``rollout_log_probs``, ``loss_mask``: flat [N] tensors, the B responses concatenated;
+    ``cu_seqlens``: int64 [B+1] offsets (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == N``):
+    sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``. Whole sequences (context parallel size 1).
+    Returns (weights [N], or None in metrics-only mode; the mask [N]: the input values and dtype with
+    rejected tokens 0; metrics: name -> [N] float32), the same values as ``compute_mis_weights`` on the
+    same sequences, concatenated. ``config`` may be a Namespace or a ``MisConfig``. Invalid inputs raise
+    ``InputError`` (a ``ValueError``) naming what is wrong (docs/contract.md).
+    """
+    config = MisConfig.from_args(config)
+    batch = pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
+    correction = _correct_whole_sequences(batch, config)
+    if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
+        return None, batch.loss_mask.clone(), correction.metrics
+    return correction.weights, _zero_rejected(batch.loss_mask, correction.token_keep), correction.metrics
+
+
+def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core.Correction:
+    """The core on whole sequences (context parallel size 1): the local table is the whole table."""
+    terms = core.token_terms(batch, config)
+    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
+    _log(correction)
+    return correction
+
+
 # --------------------------------------------------------------------------- the call
+def _dp_scopes(config: MisConfig) -> tuple[bool, bool]:
+    """(the normalisation is over the DP group, the batch gate is over the DP group)."""
+    return (config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp",
+            config.use_tis and bool(config.rs_batch_gate) and config.rs_batch_gate_scope == "dp")
+
+
 def _dp_group(config: MisConfig, parallel_state: Any) -> distributed.Group:
-    if config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp":
+    if any(_dp_scopes(config)):
         return distributed.resolve_dp_group(parallel_state)
     return distributed.SINGLE
+
+
+def _log(correction: core.Correction, cp: distributed.Group = distributed.SINGLE) -> None:
+    """A warning the core raised (the batch gate fired), once per CP group, through the ``miles_mis`` logger."""
+    if correction.message and cp.rank == 0:
+        logging.getLogger("miles_mis").warning(correction.message)
 
 
 def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
@@ -130,6 +178,7 @@ class _Local:
     terms: core.TokenTerms
     stats: Tensor
     text: str
+    batch_values: Tensor  # this rank's batch sums (location.NAMES), combined over CP in the agreement header
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None) -> _Local:
@@ -150,7 +199,8 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, q
         raise InputError(f"pg_loss {problem}")
     terms = core.token_terms(packed.batch, config)
     stats = core.local_seq_stats(packed.batch, terms, config)
-    return _Local(config, packed, terms, stats, config_text(config, qkv_format))
+    return _Local(config, packed, terms, stats, config_text(config, qkv_format),
+                  core.local_batch_values(packed.batch, terms, config))
 
 
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
@@ -172,22 +222,31 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
     text = "" if local is None else local.text
     try:
         if cp.size > 1:
-            distributed.agree(cp, "cp", error=error, batch_size=-1 if local is None else local.packed.batch.num_seqs,
-                              width=-1 if local is None else local.stats.shape[1], config_text=text)
+            headers = distributed.agree(cp, "cp", error=error,
+                                        batch_size=-1 if local is None else local.packed.batch.num_seqs,
+                                        width=-1 if local is None else local.stats.shape[1], config_text=text,
+                                        payload=() if local is None else local.batch_values.tolist())
             stats = distributed.exchange_seq_stats(local.stats, local.packed.length_table, cp)
             stats = core.combine_seq_stats(stats, local.config).float()
+            batch_values = location.combine(torch.tensor([h.payload[:len(location.NAMES)] for h in headers],
+                                                         dtype=torch.float64))
         elif error is not None:
             raise error
         else:
-            stats = local.stats
+            stats, batch_values = local.stats, local.batch_values
     except Exception as failure:  # noqa: BLE001
         if dp.size > 1:  # tell the data-parallel peers waiting in the normalisation exchange, then raise
             distributed.agree(dp, "dp", error=failure, config_text=text)
         raise
 
     config, packed = local.config, local.packed
-    reduce = None if dp.size == 1 else (lambda parts: distributed.dp_sum(parts, dp, text))
-    correction = core.finalize(packed.batch, local.terms, stats, config, reduce_normalizer=reduce)
+    normalize_dp, gate_dp = _dp_scopes(config)
+    reduce = (lambda parts: distributed.dp_sum(parts, dp, text)) if dp.size > 1 and normalize_dp else None
+    reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
+                   if dp.size > 1 and gate_dp else None)
+    correction = core.finalize(packed.batch, local.terms, stats, config, reduce_normalizer=reduce,
+                               batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate)
+    _log(correction, cp)
     if correction.weights is not None:
         weighted = pg_loss * correction.weights.to(pg_loss.dtype)
         # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
@@ -218,6 +277,11 @@ def _full_masks(packed: PackedInputs, correction: core.Correction) -> Tensor:
         keep = correction.seq_keep.to(keep.dtype).repeat_interleave(
             torch.tensor(packed.response_lengths, device=masks.device), output_size=masks.numel())
         keep = keep.index_copy_(0, packed.local_positions, correction.token_keep)
+    return _zero_rejected(masks, keep)
+
+
+def _zero_rejected(masks: Tensor, keep: Tensor) -> Tensor:
+    """The mask values (and dtype) where ``keep`` is 1, 0 where it is 0 (a new tensor)."""
     return masks * keep.to(masks.dtype)
 
 
@@ -255,9 +319,9 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
     # concatenated result); the sequences are walked only to name the first bad one.
     lists = (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
              ("loss_masks", loss_masks))
-    try:
-        local_lengths = [t.numel() for t in train_log_probs]
-        full_lengths = [m.numel() for m in loss_masks]
+    try:  # map over the unbound method: ~25% faster than a comprehension at B in the thousands
+        local_lengths = list(map(Tensor.numel, train_log_probs))
+        full_lengths = list(map(Tensor.numel, loss_masks))
     except (AttributeError, TypeError):  # not a tensor: name the first one
         _raise_first_bad(lists)
     response_lengths = _int_list("response_lengths", response_lengths)
@@ -266,7 +330,8 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         i = next(i for i, (r, n) in enumerate(zip(response_lengths, full_lengths)) if r != n)
         raise InputError(f"sequence {i}: response_lengths[{i}]={response_lengths[i]} but loss_masks[{i}] has "
                          f"{full_lengths[i]} elements (loss masks are full response length)", i)
-    if total_lengths is not None and response_lengths is not None:
+    if (total_lengths is not None and response_lengths is not None
+            and any(map(operator.le, total_lengths, response_lengths))):  # the fast test; then the exact one
         short = [i for i, (t, r) in enumerate(zip(total_lengths, response_lengths)) if t <= r and r]
         if short:
             i = short[0]
@@ -301,7 +366,7 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
 
     flat = None
     try:
-        if local_lengths == [t.numel() for t in rollout_log_probs]:
+        if local_lengths == list(map(Tensor.numel, rollout_log_probs)):
             flat = [torch.cat(list(seq)).detach() if len(seq) else torch.zeros(0) for _, seq in lists]
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):  # mixed dims/devices, odd tensors
         flat = None
@@ -316,7 +381,8 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
     train, rollout, full_masks = flat
     device = train.device
     full_masks = full_masks.to(device)
-    if full_masks.is_floating_point() and not bool(torch.isfinite(full_masks).all()):
+    if (full_masks.is_floating_point() and bool(_may_hold_nonfinite(full_masks))
+            and not bool(torch.isfinite(full_masks).all())):
         i = next(i for i, m in enumerate(loss_masks) if not bool(torch.isfinite(m).all()))
         raise InputError(f"sequence {i}: loss_masks[{i}] holds a non-finite value: masks are finite weights "
                          "(nonzero = trained token)", i)
@@ -326,9 +392,91 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         response_offsets = torch.cumsum(torch.tensor([0] + full_lengths[:-1], dtype=torch.long), 0)
         positions = layout.positions(response_offsets).to(device)
         local_mask = full_masks.index_select(0, positions)
+    response_positions = None
+    if positions is not None:  # each local token's position in its response: its index minus its response's start
+        local_seq = torch.repeat_interleave(torch.arange(len(local_lengths), device=device),
+                                            torch.tensor(local_lengths, dtype=torch.long, device=device),
+                                            output_size=positions.numel())
+        response_positions = positions - response_offsets.to(device).index_select(0, local_seq)
     batch = core.PackedBatch.from_flat(train, rollout.to(device), local_mask,
-                                       torch.tensor(local_lengths, dtype=torch.long, device=device))
+                                       torch.tensor(local_lengths, dtype=torch.long, device=device),
+                                       positions=response_positions)
     return PackedInputs(batch, full_masks, full_lengths, positions, length_table)
+
+
+def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> core.PackedBatch:
+    """Validate the packed path's flat [N] tensors and [B+1] offsets; the ``PackedBatch`` they describe.
+
+    A fixed number of tensor operations whatever B (no loop over sequences); the values of ``cu_seqlens``
+    and the finiteness of the mask are checked together, with one device-to-host read. Only a failing
+    check does more work, to name the first bad sequence or token.
+    """
+    if rollout_log_probs is None:
+        raise InputError("rollout_log_probs is None: the host must return rollout log-probs from the engine "
+                         "(miles: the rollout must keep per-token log-probs) to measure or correct the mismatch")
+    if train_log_probs is None:
+        raise InputError("train_log_probs is None: the host must pass the trainer's recomputed log-probs")
+    flat = (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+            ("loss_mask", loss_mask), ("cu_seqlens", cu_seqlens))
+    device = train_log_probs.device if isinstance(train_log_probs, Tensor) and not train_log_probs.is_meta else None
+    for name, value in flat:
+        if isinstance(value, (list, tuple)):
+            raise InputError(f"{name} is a {type(value).__name__}: the packed entry point takes one flat tensor "
+                             "(per-sequence lists: compute_mis_weights)")
+        if name == "cu_seqlens" and isinstance(value, Tensor) and value.dtype != torch.int64:
+            raise InputError(f"cu_seqlens has dtype {value.dtype}: expected torch.int64 offsets (cu_seqlens.long())")
+        shape = ("a 1-D [B+1] tensor of offsets" if name == "cu_seqlens"
+                 else "a flat 1-D [N] tensor (the B responses concatenated)")
+        problem = _tensor_problem(value, device, name != "loss_mask", device_of="train_log_probs",
+                                  one_device="all inputs on one device", shape=shape)
+        if problem:
+            raise InputError(f"{name} {problem}")
+    num_tokens = train_log_probs.numel()
+    if rollout_log_probs.numel() != num_tokens or loss_mask.numel() != num_tokens:
+        raise InputError(f"train_log_probs has {num_tokens} tokens, rollout_log_probs has "
+                         f"{rollout_log_probs.numel()}, loss_mask has {loss_mask.numel()}: the flat tensors "
+                         "must have equal lengths")
+    if cu_seqlens.numel() == 0:
+        raise InputError("cu_seqlens is empty: expected B+1 offsets, [0] for no sequence")
+
+    seq_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    ends = cu_seqlens[[0, -1]]
+    suspect = (ends != torch.tensor([0, num_tokens], device=cu_seqlens.device)).any() | (seq_lengths < 0).any()
+    if loss_mask.is_floating_point():
+        suspect = suspect | _may_hold_nonfinite(loss_mask)
+    if bool(suspect):  # the one read of a value; the exact checks below run only when something is off
+        _check_packed_exactly(cu_seqlens, seq_lengths, loss_mask, num_tokens)
+    return core.PackedBatch.from_flat(train_log_probs.detach(), rollout_log_probs.detach(), loss_mask.detach(),
+                                      seq_lengths)
+
+
+def _may_hold_nonfinite(mask: Tensor) -> Tensor:
+    """0-d bool: True if a value of a floating-point mask may be NaN/±inf (the sum is; an overflowing sum of
+    finite values also is, so True must be confirmed by ``torch.isfinite``). A sum reads the mask once and
+    writes nothing: 10-20x cheaper than ``torch.isfinite(mask).all()`` on CPU."""
+    return ~torch.isfinite(mask.sum(dtype=torch.float64 if mask.dtype == torch.float64 else torch.float32))
+
+
+def _check_packed_exactly(cu_seqlens: Tensor, seq_lengths: Tensor, loss_mask: Tensor, num_tokens: int) -> None:
+    """Name the first failing check of ``pack_flat`` (called only when the cheap combined check is suspect)."""
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0:
+        raise InputError(f"cu_seqlens[0]={first}: the offsets start at 0")
+    decreasing = (seq_lengths < 0).nonzero()
+    if decreasing.numel():
+        i = int(decreasing[0])
+        raise InputError(f"sequence {i}: cu_seqlens decreases from cu_seqlens[{i}]={int(cu_seqlens[i])} to "
+                         f"cu_seqlens[{i + 1}]={int(cu_seqlens[i + 1])}: the offsets must be non-decreasing", i)
+    if last != num_tokens:
+        raise InputError(f"cu_seqlens[-1]={last} but the flat tensors hold {num_tokens} tokens: the last offset "
+                         "is the number of tokens N")
+    nonfinite = (~torch.isfinite(loss_mask)).nonzero()
+    if nonfinite.numel():
+        token = int(nonfinite[0])
+        i = int(torch.searchsorted(cu_seqlens, nonfinite[0], right=True)) - 1
+        raise InputError(f"sequence {i}: loss_mask[{token}]={loss_mask[token].item()} is not finite: masks are "
+                         "finite weights (nonzero = trained token)", i)
+    # else: finite mask values whose sum overflowed (|values| near the float32 limit): nothing is wrong
 
 
 def _int_list(name: str, values) -> list[int] | None:
@@ -340,7 +488,7 @@ def _int_list(name: str, values) -> list[int] | None:
             raise InputError(f"{name} is a {values.dtype} tensor of shape {tuple(values.shape)}: expected B integers")
         return values.tolist()
     values = list(values)
-    if all(type(v) is int for v in values):
+    if set(map(type, values)) <= {int}:
         return values
     for i, v in enumerate(values):  # the slow path names the first bad entry
         is_integer = isinstance(v, numbers.Integral) or (isinstance(v, Tensor) and v.numel() == 1
@@ -355,8 +503,9 @@ def _plain_1d(tensor: Tensor) -> bool:
             and not tensor.is_complex())
 
 
-def _tensor_problem(value: Any, device: Any, log_probs: bool) -> str | None:
-    """What is wrong with one per-sequence entry, or None."""
+def _tensor_problem(value: Any, device: Any, log_probs: bool, device_of: str = "sequence 0",
+                    one_device: str = "every sequence on one device", shape: str = "a 1-D tensor") -> str | None:
+    """What is wrong with one per-sequence entry (or one flat tensor of the packed path), or None."""
     if not isinstance(value, Tensor):
         return f"is a {type(value).__name__}, not a tensor"
     if value.is_nested:
@@ -368,11 +517,11 @@ def _tensor_problem(value: Any, device: Any, log_probs: bool) -> str | None:
     if value.is_meta:
         return "is on the meta device (it has no values)"
     if device is not None and value.device != device:
-        return f"is on {value.device} but sequence 0 is on {device}: every sequence on one device"
+        return f"is on {value.device} but {device_of} is on {device}: {one_device}"
     if value.is_complex():
         return f"has dtype {value.dtype}: " + ("log-probs are real" if log_probs else "masks are real")
     if value.ndim != 1:
-        return f"has shape {tuple(value.shape)}: expected a 1-D tensor"
+        return f"has shape {tuple(value.shape)}: expected {shape}"
     return None
 
 

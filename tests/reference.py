@@ -11,6 +11,8 @@ import math
 
 
 CLAMP = 20.0
+LOG_PROB_BOUND = 1e4
+POSITION_BUCKETS = ((0, 1), (1, 16), (16, 128), (128, 1024), (1024, 8192), (8192, math.inf))
 
 
 def _exp(x: float) -> float:
@@ -94,6 +96,35 @@ def divergence_reference(cfg, sequences, put):
     return token_rejected, seq_rejected
 
 
+def batch_level_reference(cfg, sequences, put) -> bool:
+    """Where the mismatch lives (location.py) and the batch gate (gate.py), token by token; returns gated."""
+    usable = [t for toks in sequences for t in toks if t["usable"]]
+    k3 = lambda t: max(_exp(t["ell"]) - t["ell"] - 1, 0.0)  # noqa: E731
+
+    def mean_k3(tokens):
+        return sum(k3(t) for t in tokens) / len(tokens) if tokens else 0.0
+
+    low = [t for t in usable if t["rollout"] < math.log(cfg.metrics_low_prob_threshold)]
+    values = {
+        "k3_first_token": mean_k3([t for t in usable if t["position"] == 0]),
+        "k3_low_rollout_prob": mean_k3(low),
+        "low_rollout_prob_token_fraction": len(low) / len(usable) if usable else 0.0,
+        "batch_k3": mean_k3(usable),
+        "batch_kl": -sum(t["ell"] for t in usable) / len(usable) if usable else 0.0,
+        "batch_max_abs_log_ratio": max((abs(t["ell"]) for t in usable), default=0.0),
+    }
+    for a, b in POSITION_BUCKETS:
+        values[f"k3_position_{a}_{'inf' if b == math.inf else b}"] = mean_k3([t for t in usable if a <= t["position"] < b])
+    exceeded = [name for name, threshold in cfg.rs_batch_gate if values[f"batch_{name}"] > threshold]
+    gated = bool(exceeded) and cfg.use_tis
+    if cfg.use_tis and cfg.rs_batch_gate:
+        values["batch_gated"] = float(gated)
+    for name, value in values.items():
+        for i, toks in enumerate(sequences):
+            put(name, i, [value] * len(toks))
+    return gated
+
+
 def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     sequences = []
     for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
@@ -101,12 +132,12 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         rollout = [float(x) for x in rollout_t.double()]
         valid = [float(m) != 0.0 for m in mask_t]
         tokens = []
-        for a, b, v in zip(train, rollout, valid):
-            finite = math.isfinite(a) and math.isfinite(b)
+        for position, (a, b, v) in enumerate(zip(train, rollout, valid)):
+            finite = abs(a) < LOG_PROB_BOUND and abs(b) < LOG_PROB_BOUND  # False for NaN, ±inf, fill values
             usable = v and finite
             ell = (a - b) if usable else 0.0
             tokens.append(dict(valid=v, usable=usable, nonfinite=v and not finite, ell=ell, rho=_exp(ell),
-                               train=a if usable else 0.0, rollout=b if usable else 0.0))
+                               train=a if usable else 0.0, rollout=b if usable else 0.0, position=position))
         sequences.append(tokens)
 
     metrics = {}
@@ -136,6 +167,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
             put(name, i, [value] * n)
         put("nonfinite_token_fraction", i, [float(t["nonfinite"]) for t in toks])
 
+    gated = batch_level_reference(cfg, sequences, put)
     if not cfg.use_tis:
         masks = [[float(t["valid"]) for t in toks] for toks in sequences]
         return None, masks, metrics
@@ -155,7 +187,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
                 return _exp(sum_ell)
             return _exp(sum_ell / max(len(usable), 1))
 
-        seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i]
+        seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i] or gated
         if cfg.rs_veto_threshold is not None:
             vetoed = any(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold) for t in toks)
             seq_rejected = seq_rejected or vetoed

@@ -138,7 +138,7 @@ def test_k3_is_non_negative_when_the_engines_agree_to_a_few_ulps(preset):
                                                                 "seq_sum_k3": 5.0, "seq_max_k3": 0.5}))
     _, _, metrics = call(cfg, train, rollout, [torch.ones(200)] * 50)
     k3_metrics = [name for name in metrics if "k3" in name and not name.endswith("fraction")]
-    assert len(k3_metrics) == 1 + 4 * 3  # mis_k3_kl and mean/max/min of each of the 4 options
+    assert len(k3_metrics) == 1 + 4 * 3 + 9  # mis_k3_kl, mean/max/min of the 4 options, 9 batch-level k3
     for name in k3_metrics:
         assert (metrics[name] >= 0).all(), name
 

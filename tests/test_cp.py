@@ -35,6 +35,9 @@ def all_configs():
                         tis_batch_normalize=True, rs_veto_threshold=0.75, rs_divergence={option: threshold})
     yield MisConfig(use_tis=True, use_rs=True, rs_divergence={"token_k2": 0.02, "seq_mean_k1": "0.95_1.05",
                                                              "seq_max_k3": 0.05})
+    # the batch gate over every CP rank's tokens: fired (k3 ~ 1e-2 here) and not
+    yield MisConfig(use_tis=True, rs_batch_gate={"k3": 1e-6}, tis_batch_normalize=True)
+    yield MisConfig(use_tis=True, rs_batch_gate={"k3": 10.0, "max_abs_log_ratio": 50.0})
 
 
 def check_case(rank, size, config, full, pg_loss, fmt, group=None, ps=None):

@@ -274,8 +274,20 @@ def dp_matrix_worker(rank, size, port, out_dir):
         return call(args=_args(MisConfig(use_tis=True, tis_batch_normalize=True, tis_batch_normalize_scope="dp",
                                          tis_upper_bound=3.0 if replica == 1 else 2.0)))
 
+    def gate_over_dp():  # the gate's statistics combine both replicas' tokens: equal on all 4 ranks
+        config = MisConfig(use_tis=True, rs_batch_gate={"k3": 10.0}, rs_batch_gate_scope="dp")
+        _, _, metrics = call(args=_args(config))
+        replicas = [make_full_batch(seed=20 + r, num_seqs=6)[0] for r in range(2)]
+        ell = torch.cat([torch.cat(full["train_log_probs"]) - torch.cat(full["rollout_log_probs"])
+                         for full in replicas]).double()
+        valid = torch.cat([torch.cat(full["loss_masks"]) for full in replicas]) != 0
+        expected = float((ell.exp() - ell - 1)[valid].mean())
+        got = float(metrics["mis_batch_k3"][0]) if metrics["mis_batch_k3"].numel() else expected
+        assert abs(got - expected) < 1e-6 * max(1.0, expected), (got, expected)
+
     for name, case in (("dp_input_error", input_error), ("dp_config_typo", config_typo),
-                       ("dp_configs_differ", configs_differ), ("dp_healthy_after", lambda: call())):
+                       ("dp_configs_differ", configs_differ), ("dp_gate_scope", gate_over_dp),
+                       ("dp_healthy_after", lambda: call())):
         _record(out_dir, rank, name, case)
     dist.barrier()
     dist.destroy_process_group()
@@ -387,7 +399,8 @@ def test_dp_cp_fault_matrix_every_rank_raises(tmp_path):
         for rank, pattern in per_rank.items():
             assert_raised(results, case, rank, pattern)
     for rank in range(4):
-        assert results[("dp_healthy_after", rank)]["type"] == "ok", results[("dp_healthy_after", rank)]
+        for case in ("dp_gate_scope", "dp_healthy_after"):
+            assert results[(case, rank)]["type"] == "ok", results[(case, rank)]
 
 
 def test_header_is_fixed_size_and_round_trips():
@@ -399,7 +412,7 @@ def test_header_is_fixed_size_and_round_trips():
     assert len(blob) == HEADER_BYTES
     header = distributed.decode_header(blob)
     assert header.error and header.error_sequence == 4 and (header.batch_size, header.width) == (7, 12)
-    assert header.payload == (1.5, 2.0, 0.0, 0.0) and header.config_text == "use_tis=True\ntis_mode='mask'"
+    assert header.payload == (1.5, 2.0) + (0.0,) * (distributed.PAYLOAD_SLOTS - 2) and header.config_text == "use_tis=True\ntis_mode='mask'"
     assert header.message.startswith("sequence 4: badéé") and header.message.endswith("é...")
     assert len(header.message.encode()) <= distributed.MESSAGE_BYTES
     assert header.fingerprint == distributed.config_fingerprint("use_tis=True\ntis_mode='mask'")

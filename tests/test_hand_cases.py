@@ -155,9 +155,37 @@ def test_mismatch_metrics_by_hand():
         "mis_chi2_seq": 0.75 ** 2 - 1,
         "mis_nonfinite_token_fraction": 0.0,
     }
-    assert sorted(metrics) == sorted(expect)
+    # batch-level: where the mismatch lives and the gate's statistics, over all 5 tokens (B: l = log 1.5, log 0.8)
+    lr_b = [math.log(1.5), math.log(0.8)]
+    k3 = lambda x: math.exp(x) - x - 1  # noqa: E731
+    batch_level = {
+        "mis_k3_first_token": (k3(lr_a[0]) + k3(lr_b[0])) / 2, "mis_k3_position_0_1": (k3(lr_a[0]) + k3(lr_b[0])) / 2,
+        "mis_k3_position_1_16": (k3(lr_a[1]) + k3(lr_a[2]) + k3(lr_b[1])) / 3,
+        "mis_k3_position_16_128": 0.0, "mis_k3_position_128_1024": 0.0, "mis_k3_position_1024_8192": 0.0,
+        "mis_k3_position_8192_inf": 0.0,
+        "mis_k3_low_rollout_prob": 0.0, "mis_low_rollout_prob_token_fraction": 0.0,  # every rollout p is 1
+        "mis_batch_k3": sum(k3(x) for x in lr_a + lr_b) / 5, "mis_batch_kl": -sum(lr_a + lr_b) / 5,
+        "mis_batch_max_abs_log_ratio": math.log(4.0),
+    }
+    assert sorted(metrics) == sorted(list(expect) + list(batch_level))
     for name, value in expect.items():
         assert values(metrics[name])[0] == [round(value, 5)] * 3, name
+    for name, value in batch_level.items():
+        assert values(metrics[name]) == [[round(value, 5)] * 3, [round(value, 5)] * 2], name
+
+
+def test_low_rollout_probability_metrics_by_hand():
+    # rollout p = e^-3 ~ 0.05 < 0.1 on two of the four tokens
+    train = [torch.tensor([-3.5, -0.1, -2.0, -0.2])]
+    rollout = [torch.tensor([-3.0, -0.1, -3.0, -0.3])]
+    _, _, metrics = compute_mis_weights(MisConfig(use_tis=False), train_log_probs=train, rollout_log_probs=rollout,
+                                        loss_masks=[torch.ones(4)])
+    k3 = lambda x: math.exp(x) - x - 1  # noqa: E731
+    assert values(metrics["mis_k3_low_rollout_prob"])[0][0] == round((k3(-0.5) + k3(1.0)) / 2, 5)
+    assert values(metrics["mis_low_rollout_prob_token_fraction"])[0][0] == 0.5
+    _, _, strict = compute_mis_weights(MisConfig(use_tis=False, metrics_low_prob_threshold=0.01),
+                                       train_log_probs=train, rollout_log_probs=rollout, loss_masks=[torch.ones(4)])
+    assert values(strict["mis_low_rollout_prob_token_fraction"])[0][0] == 0.0
 
 
 def test_metrics_only_leaves_masks_and_has_no_weights():

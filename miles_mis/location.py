@@ -1,0 +1,64 @@
+"""Where the mismatch lives, as live metrics: k3 on the first response token, on tokens the engine found
+unlikely, and by position along the response.
+
+With k3_t = max(ρ_t − ℓ_t − 1, 0) on a usable token (0 elsewhere) and p_t = π_rollout(t):
+
+    mis_k3_first_token        = Σ_{t first of its response} k3_t / #{such usable tokens}
+    mis_k3_low_rollout_prob   = Σ_{p_t < θ} k3_t / #{usable t: p_t < θ}      θ = metrics_low_prob_threshold
+    mis_low_rollout_prob_token_fraction = #{usable t: p_t < θ} / #{usable t}
+    mis_k3_position_<a>_<b>   = Σ_{a ≤ pos_t < b} k3_t / #{usable t: a ≤ pos_t < b}   (POSITION_EDGES)
+
+each 0 when it has no token, and batch-level (one value for the micro-batch, broadcast to its tokens). They
+are ratios of sums over tokens, so every CP rank contributes its sums to a fixed-size vector that travels
+in the agreement header (``combine``: sums add, the maximum is maxed): CP-exact, no extra collective.
+The same vector carries max |ℓ|, which the batch gate (``miles_mis.gate``) reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+POSITION_EDGES = (0, 1, 16, 128, 1024, 8192)  # buckets [0, 1) [1, 16) ... [8192, ∞): the first token alone
+BUCKET_NAMES = tuple(f"{a}_{b}" for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:] + ("inf",)))
+SUM_NAMES = ("first_k3", "first_n", "low_k3", "low_n", "usable_n") + tuple(
+    f"{kind}_{name}" for name in BUCKET_NAMES for kind in ("position_k3", "position_n"))
+MAX_NAMES = ("max_abs_log_ratio",)
+NAMES = SUM_NAMES + MAX_NAMES
+INDEX = {name: i for i, name in enumerate(NAMES)}
+
+
+def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor, positions: Tensor,
+                 low_prob_threshold: float) -> Tensor:
+    """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens.
+
+    ``k3`` and ``log_ratio`` are 0 where not usable; ``positions`` is each token's response-relative position.
+    """
+    k3_usable = k3 * usable
+    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold)).to(usable.dtype).mul_(usable)
+    first = torch.eq(positions, 0).to(usable.dtype).mul_(usable)
+    buckets = torch.bucketize(positions, torch.tensor(POSITION_EDGES[1:], device=positions.device), right=True)
+    bucket_k3 = torch.bincount(buckets, weights=k3_usable, minlength=len(BUCKET_NAMES))
+    bucket_n = torch.bincount(buckets, weights=usable, minlength=len(BUCKET_NAMES))
+    sums = torch.stack([torch.dot(k3_usable, first), first.sum(), torch.dot(k3_usable, low), low.sum(),
+                        usable.sum()]).double()
+    per_bucket = torch.stack([bucket_k3, bucket_n], 1).reshape(-1).double()
+    largest = log_ratio.abs().amax().reshape(1).double() if log_ratio.numel() else sums.new_zeros(1)
+    return torch.cat([sums, per_bucket, largest])
+
+
+def combine(per_rank: Tensor) -> Tensor:
+    """[C, len(NAMES)] -> [len(NAMES)]: sums added, maxima maxed (identical on every CP rank)."""
+    return torch.cat([per_rank[:, :len(SUM_NAMES)].sum(0), per_rank[:, len(SUM_NAMES):].amax(0)])
+
+
+def metrics(values: Tensor) -> dict[str, Tensor]:
+    """Batch-level metric values (0-d float32) from the combined vector."""
+    ratio = lambda a, b: (values[INDEX[a]] / values[INDEX[b]].clamp(min=1.0)).float()  # noqa: E731
+    out = {"k3_first_token": ratio("first_k3", "first_n"), "k3_low_rollout_prob": ratio("low_k3", "low_n"),
+           "low_rollout_prob_token_fraction": ratio("low_n", "usable_n")}
+    for name in BUCKET_NAMES:
+        out[f"k3_position_{name}"] = ratio(f"position_k3_{name}", f"position_n_{name}")
+    return out
