@@ -34,19 +34,22 @@ def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_prob
                  low_prob_threshold: float) -> Tensor:
     """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens.
 
-    ``k3`` and ``log_ratio`` are 0 where not usable; ``positions`` is each token's response-relative position.
+    ``k3`` and ``log_ratio`` are 0 where not usable (so sums of them need no mask); ``positions`` is each
+    token's response-relative position. Seven passes over the tokens: the first token is position bucket 0,
+    and the usable count is the buckets' total.
     """
-    k3_usable = k3 * usable
-    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold)).to(usable.dtype).mul_(usable)
-    first = torch.eq(positions, 0).to(usable.dtype).mul_(usable)
+    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
     buckets = torch.bucketize(positions, torch.tensor(POSITION_EDGES[1:], device=positions.device), right=True)
-    bucket_k3 = torch.bincount(buckets, weights=k3_usable, minlength=len(BUCKET_NAMES))
-    bucket_n = torch.bincount(buckets, weights=usable, minlength=len(BUCKET_NAMES))
-    sums = torch.stack([torch.dot(k3_usable, first), first.sum(), torch.dot(k3_usable, low), low.sum(),
-                        usable.sum()]).double()
-    per_bucket = torch.stack([bucket_k3, bucket_n], 1).reshape(-1).double()
-    largest = log_ratio.abs().amax().reshape(1).double() if log_ratio.numel() else sums.new_zeros(1)
-    return torch.cat([sums, per_bucket, largest])
+    bucket_k3 = torch.bincount(buckets, weights=k3, minlength=len(BUCKET_NAMES)).double()
+    bucket_n = torch.bincount(buckets, weights=usable, minlength=len(BUCKET_NAMES)).double()
+    low_k3, low_n = torch.dot(k3, low).double(), torch.dot(usable, low).double()
+    if log_ratio.numel():
+        smallest, largest = torch.aminmax(log_ratio)
+        largest = torch.maximum(largest, -smallest).double()
+    else:
+        largest = torch.zeros((), dtype=torch.float64, device=k3.device)
+    sums = torch.stack([bucket_k3[0], bucket_n[0], low_k3, low_n, bucket_n.sum()])
+    return torch.cat([sums, torch.stack([bucket_k3, bucket_n], 1).reshape(-1), largest.reshape(1)])
 
 
 def combine(per_rank: Tensor) -> Tensor:
