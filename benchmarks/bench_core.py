@@ -3,13 +3,23 @@
 Inputs: lengths uniform in [T/4, T], log-ratio noise sigma = 0.05, the default config (configs/mis.yaml
 with --use-tis: token truncate [0.5, 2], token RS, veto 1e-4, batch normalisation).
 
-Compared on the same inputs:
-  ours        miles_mis.compute_mis_weights_with_cp
+Compared on the same inputs, each in its host's native format (that conversion is not timed):
+  list        miles_mis.compute_mis_weights_with_cp (per-sequence lists in and out, pg_loss × weights)
+  packed      miles_mis.compute_mis_weights_packed on the flat [N] tensors and cu_seqlens
+  padded      a padded dense implementation written here: [B, T] tensors, padding = 0 in the loss mask,
+              per-sequence reductions along dim 1, every output (weights, mask, all metrics) a [B, T]
+              tensor; checked equal to ours (at the real tokens) before timing
   per-seq     a per-sequence torch loop (vectorised inside a sequence, one Python iteration per
               sequence, the structure of miles' mis.py), checked equal to ours before timing
+  cat+split   what the list interface costs a packed implementation: torch.cat of the three input
+              lists and splitting the output mask into B tensors (the list path should lose no more
+              than this against the packed one)
   reference   the readable pure-Python reference of tests/reference.py (one point only: it is slow)
 
-Also counts aten operations per call (TorchDispatchMode) at B=8 and B=512: they must be equal.
+list, packed, padded and cat+split are timed in one interleaved pass (the order rotates every round);
+per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
+after it). Also counts aten operations per call (TorchDispatchMode) of the list and the packed entry
+points at B=8 and B=512: each must be equal.
 
     python benchmarks/bench_core.py [--repeats 15]
 """
@@ -17,6 +27,7 @@ Also counts aten operations per call (TorchDispatchMode) at B=8 and B=512: they 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -29,7 +40,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from op_count import count_aten_ops  # noqa: E402
 
-from miles_mis import MisConfig, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis.location import BUCKET_NAMES, POSITION_EDGES  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
                    tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4, tis_batch_normalize=True)
@@ -52,6 +64,124 @@ def ours(inputs, pg_loss):
     return compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs)
 
 
+def packed_inputs(inputs):
+    """The same batch as a packed host holds it: flat [N] tensors and int64 cu_seqlens [B+1]."""
+    offsets = torch.tensor([0] + inputs["response_lengths"], dtype=torch.long).cumsum(0)
+    return dict(train_log_probs=torch.cat(inputs["train_log_probs"]),
+                rollout_log_probs=torch.cat(inputs["rollout_log_probs"]),
+                loss_mask=torch.cat(inputs["loss_masks"]), cu_seqlens=offsets)
+
+
+def ours_packed(flat):
+    return compute_mis_weights_packed(CONFIG, **flat)
+
+
+def padded_inputs(inputs):
+    """The same batch as a padded host holds it: [B, T] tensors (T = the longest response), padding 0 in
+    the loss mask (and 0 in the log-probs), plus the bool padding mask used to compare outputs."""
+    lengths = torch.tensor(inputs["response_lengths"])
+    width = int(lengths.max()) if lengths.numel() else 0
+    real = torch.arange(width)[None, :] < lengths[:, None]
+
+    def pad(seqs):
+        out = torch.zeros(len(seqs), width)
+        out[real] = torch.cat(seqs)
+        return out
+
+    return dict(train=pad(inputs["train_log_probs"]), rollout=pad(inputs["rollout_log_probs"]),
+                mask=pad(inputs["loss_masks"])), real
+
+
+def padded(p):
+    """Padded dense implementation of the default config (token truncate IS, token RS, veto, batch
+    normalisation), same semantics as ours: vectorised over [B, T], per-sequence sums/extremes along dim 1.
+    Returns (weights [B, T], mask [B, T], metrics name -> [B, T]), every output materialised (as ours)."""
+    cfg = CONFIG
+    train, rollout, mask = p["train"], p["rollout"], p["mask"]
+    num_seqs, width = train.shape
+    lower, upper = cfg.tis_lower_bound, cfg.tis_upper_bound
+    valid = (mask != 0).float()
+    usable = (torch.maximum(train.abs(), rollout.abs()) < 1e4).float() * valid
+    ell = torch.nan_to_num(train - rollout, nan=0.0, posinf=0.0, neginf=0.0) * usable
+    train_u = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0) * usable
+    rho = ell.clamp(-CLAMP, CLAMP).exp()
+    n_usable = usable.sum(1)
+    count = n_usable.clamp(min=1.0)
+    sum_ell = ell.sum(1)
+    mean_train = train_u.sum(1) / count
+    mean_rollout = mean_train - sum_ell / count
+    diff = -sum_ell / count
+    w = rho.clamp(max=upper)
+    catastrophic = (ell < math.log(cfg.rs_veto_threshold)).float() * usable
+    vetoed = catastrophic.amax(1) > 0 if width else torch.zeros(num_seqs, dtype=torch.bool)
+    seq_keep = ~(vetoed | (valid.sum(1) > n_usable))
+    token_keep = usable * (rho >= lower) * (rho <= upper) * seq_keep[:, None]
+    kept_w = w * token_keep
+    sum_w = kept_w.sum()
+    mean = sum_w / token_keep.sum().clamp(min=1.0)
+    factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+    seq_max = torch.where(token_keep > 0, w, -1.0).amax(1) if width else torch.full((num_seqs,), -1.0)
+    seq_min = torch.where(token_keep > 0, w, 3e38).amin(1) if width else torch.full((num_seqs,), 3e38)
+    has_kept = seq_max >= 0
+    max_w = torch.cat([seq_max, torch.tensor([-1.0])]).amax()
+    min_w = torch.cat([seq_min, torch.tensor([3e38])]).amin()
+    sum_w_sq = (kept_w * w).sum()
+    n_valid = valid.sum()
+    final = kept_w / factor
+    # where the mismatch lives: the position of a token is its column, so the buckets are column sums
+    k3 = (rho - ell - 1.0).clamp(min=0.0)  # 0 where not usable (ℓ = 0, ρ = 1)
+    low = (rollout < math.log(cfg.metrics_low_prob_threshold)).float() * usable
+    column_bucket = torch.bucketize(torch.arange(width), torch.tensor(POSITION_EDGES[1:]), right=True)
+    n_buckets = len(BUCKET_NAMES)
+    bucket_k3 = torch.zeros(n_buckets).index_add_(0, column_bucket, k3.sum(0))
+    bucket_n = torch.zeros(n_buckets).index_add_(0, column_bucket, usable.sum(0))
+    usable_n, k3_total = n_usable.sum().double(), k3.sum().double()
+    ratio = lambda a, b: (a.double() / b.double().clamp(min=1.0)).float()  # noqa: E731
+    first_k3, first_n = (k3[:, 0].sum(), usable[:, 0].sum()) if width else (k3.sum(), usable.sum())
+    location = {"k3_first_token": ratio(first_k3, first_n), "k3_low_rollout_prob": ratio((k3 * low).sum(), low.sum()),
+                "low_rollout_prob_token_fraction": ratio(low.sum(), usable_n),
+                **{f"k3_position_{name}": ratio(bucket_k3[i], bucket_n[i]) for i, name in enumerate(BUCKET_NAMES)},
+                "batch_k3": ratio(k3_total, usable_n), "batch_kl": ratio(-sum_ell.sum(), usable_n),
+                "batch_max_abs_log_ratio": ell.abs().amax() if ell.numel() else torch.tensor(0.0)}
+    seq = {
+        "training_log_ppl": -mean_train, "training_ppl": (-mean_train).clamp(-CLAMP, CLAMP).exp(),
+        "rollout_log_ppl": -mean_rollout, "rollout_ppl": (-mean_rollout).clamp(-CLAMP, CLAMP).exp(),
+        "kl": diff, "log_ppl_diff": diff, "log_ppl_abs_diff": diff.abs(), "ppl_ratio": diff.clamp(-CLAMP, CLAMP).exp(),
+        "k3_kl": k3.sum(1) / count,
+        "chi2_token": ((rho.square() * usable).sum(1) / count - 1.0) * (n_usable > 0),
+        "chi2_seq": (2.0 * sum_ell.clamp(-CLAMP, CLAMP)).exp() - 1.0,
+        "rs_catastrophic_seq_fraction": vetoed.float(),
+        "is_ratio_max_final": torch.where(has_kept, seq_max / factor, 0.0),
+        "is_ratio_min_final": torch.where(has_kept, seq_min / factor, 0.0),
+    }
+    any_kept = max_w >= 0
+    batch = {
+        "batch_norm_factor": factor,
+        "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, 0.0),
+        "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, 0.0),
+        "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30), 0.0),
+        **location,
+    }
+    metrics = {
+        "nonfinite_token_fraction": valid - usable, "tis_weight_before_bound": rho,
+        "tis_truncate_fraction": (rho > upper).float(), "tis_weight_after_bound": w,
+        "rs_mask_fraction_low": (rho < lower).float(), "rs_mask_fraction_high": (rho > upper).float(),
+        "rs_catastrophic_token_fraction": catastrophic, "is_ratio_mean_after_tis_rs": kept_w,
+        "is_ratio_mean_final": final,
+    }
+    # per-sequence values: one [M, B] table broadcast along T in one copy; batch values: one fill each
+    table = torch.stack(list(seq.values()))
+    metrics.update(zip(seq, table[:, :, None].expand(-1, -1, width).contiguous().unbind(0)))
+    metrics.update({name: value.expand(num_seqs, width).contiguous() for name, value in batch.items()})
+    return final, mask * token_keep, {f"mis_{name}": value for name, value in sorted(metrics.items())}
+
+
+def cat_and_split(inputs, lengths):
+    """The list interface's own cost: join the three input lists, split one [N] output into B tensors."""
+    flat = [torch.cat(inputs[name]) for name in ("train_log_probs", "rollout_log_probs", "loss_masks")]
+    return list(flat[2].split_with_sizes(lengths))
+
+
 def per_sequence(inputs, pg_loss):
     """Per-sequence torch loop for the default config, same semantics as ours."""
     cfg = CONFIG
@@ -61,6 +191,13 @@ def per_sequence(inputs, pg_loss):
         metrics.setdefault(f"mis_{name}", []).append(value)
 
     log_veto = torch.log(torch.tensor(cfg.rs_veto_threshold))
+    log_low = math.log(cfg.metrics_low_prob_threshold)
+    edges = torch.tensor(POSITION_EDGES[1:])
+    n_buckets = len(BUCKET_NAMES)
+    # batch sums: k3 and count of first tokens, of low-probability tokens, usable count, per-bucket k3 and
+    # counts, then Σ k3 and Σ ℓ (the gate statistics); and max |ℓ|
+    sums = torch.zeros(5 + 2 * n_buckets + 2, dtype=torch.float64)
+    max_abs = torch.zeros((), dtype=torch.float64)
     for train, rollout, mask in zip(inputs["train_log_probs"], inputs["rollout_log_probs"], inputs["loss_masks"]):
         valid = mask != 0
         usable = valid & torch.isfinite(train) & torch.isfinite(rollout)
@@ -83,6 +220,14 @@ def per_sequence(inputs, pg_loss):
         put("k3_kl", ((rho - ell - 1) * usable).sum() / count * ones)
         put("chi2_token", ((rho.square() * usable).sum() / count - 1) * ones)
         put("chi2_seq", ((2 * ell.sum().clamp(-CLAMP, CLAMP)).exp() - 1) * ones)
+        k3 = (rho - ell - 1).clamp(min=0) * usable
+        low = usable & (rollout < log_low)
+        bucket = torch.bucketize(torch.arange(len(train)), edges, right=True)
+        sums += torch.cat([torch.stack([k3[:1].sum(), usable[:1].sum(), k3[low].sum(), low.sum(), usable.sum()]),
+                           torch.bincount(bucket, weights=k3, minlength=n_buckets),
+                           torch.bincount(bucket, weights=usable.float(), minlength=n_buckets),
+                           torch.stack([k3.sum(), ell.sum()])]).double()
+        max_abs = torch.maximum(max_abs, ell.abs().max().double() if len(ell) else max_abs)
         put("nonfinite_token_fraction", (valid & ~usable).float())
         w = rho.clamp(max=cfg.tis_upper_bound)
         put("tis_weight_before_bound", rho)
@@ -107,6 +252,13 @@ def per_sequence(inputs, pg_loss):
     n_valid = sum(int((m != 0).sum()) for m in inputs["loss_masks"])
     ess = all_w.sum().square() / (n_valid * all_w.square().sum()) if all_w.square().sum() > 0 else torch.tensor(0.)
     kept_final = kept / factor
+    ratio = lambda a, b: (a / b.clamp(min=1.0)).float()  # noqa: E731
+    batch = {"k3_first_token": ratio(sums[0], sums[1]), "k3_low_rollout_prob": ratio(sums[2], sums[3]),
+             "low_rollout_prob_token_fraction": ratio(sums[3], sums[4])}
+    batch.update({f"k3_position_{name}": ratio(sums[5 + i], sums[5 + n_buckets + i])
+                  for i, name in enumerate(BUCKET_NAMES)})
+    batch.update({"batch_k3": ratio(sums[-2], sums[4]), "batch_kl": ratio(-sums[-1], sums[4]),
+                  "batch_max_abs_log_ratio": max_abs.float()})
     for w, k in zip(weights, masks):
         ones = torch.ones_like(w)
         put("batch_norm_factor", factor * ones)
@@ -116,6 +268,8 @@ def per_sequence(inputs, pg_loss):
         put("is_ratio_batch_min_final", kept_final.min() * ones)
         put("is_ratio_batch_max_final", kept_final.max() * ones)
         put("ess", ess * ones)
+        for name, value in batch.items():
+            put(name, value * ones)
     out_loss = pg_loss * torch.cat(weights)
     return out_loss, [m.float() for m in masks], {k: torch.cat(v) for k, v in metrics.items()}
 
@@ -136,25 +290,32 @@ def median_ms(fn, repeats):
     return statistics.median(times) * 1e3
 
 
-def interleaved_medians_ms(fn_a, fn_b, repeats):
-    """Median times of two functions run alternately, so that drift on a shared machine hits both."""
-    fn_a(), fn_b()
-    times_a, times_b = [], []
-    for _ in range(repeats):
-        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+def interleaved_medians_ms(*fns, repeats):
+    """Median times of functions run in turn, so that drift on a shared machine hits them all. The order
+    rotates every round: the function run right after a slow one (caches flushed, memory handed back to
+    the OS) is a different one each time."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        for k in range(len(fns)):
+            i = (round_ + k) % len(fns)
             start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times_a) * 1e3, statistics.median(times_b) * 1e3
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
-def count_ops(num_seqs: int) -> int:
+def count_ops(num_seqs: int) -> tuple[int, int]:
+    """aten operations per call of the list and the packed entry points."""
     inputs = make_inputs(num_seqs, 64, seed=1)
     pg_loss = torch.ones(sum(inputs["response_lengths"]))
-    return count_aten_ops(lambda: ours(inputs, pg_loss))
+    flat = packed_inputs(inputs)
+    return count_aten_ops(lambda: ours(inputs, pg_loss)), count_aten_ops(lambda: ours_packed(flat))
 
 
-def check_same(inputs, pg_loss):
+def check_same(inputs, pg_loss, flat, dense, real):
+    """Every implementation gives ours' outputs (pg_loss is ones, so ours' loss is the weights)."""
     a_loss, a_masks, a_metrics = ours(inputs, pg_loss)
     b_loss, b_masks, b_metrics = per_sequence(inputs, pg_loss)
     torch.testing.assert_close(a_loss, b_loss, rtol=1e-5, atol=1e-6)
@@ -162,6 +323,16 @@ def check_same(inputs, pg_loss):
     assert a_metrics.keys() == b_metrics.keys(), set(a_metrics) ^ set(b_metrics)
     for name in a_metrics:
         torch.testing.assert_close(a_metrics[name], b_metrics[name], rtol=1e-4, atol=1e-5, msg=name)
+    p_weights, p_mask, p_metrics = ours_packed(flat)  # the same core on the same tokens: identical
+    assert torch.equal(p_weights, a_loss) and torch.equal(p_mask, torch.cat(a_masks))
+    assert p_metrics.keys() == a_metrics.keys() and all(torch.equal(p_metrics[k], a_metrics[k]) for k in a_metrics)
+    d_weights, d_mask, d_metrics = padded(dense)
+    assert not d_weights[~real].any() and not d_mask[~real].any()
+    torch.testing.assert_close(d_weights[real], a_loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(d_mask[real], torch.cat(a_masks))
+    assert d_metrics.keys() == a_metrics.keys(), set(d_metrics) ^ set(a_metrics)
+    for name in a_metrics:
+        torch.testing.assert_close(d_metrics[name][real], a_metrics[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def main() -> None:
@@ -170,14 +341,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis)")
-    print(f"{'B':>5} {'T':>5} {'tokens':>8} {'ours ms':>9} {'per-seq ms':>11} {'ratio':>7}")
-    for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128)]:
+    print("medians in ms, list/packed/padded/cat+split run interleaved, then per-seq interleaved with list "
+          "(seq/list is from that pass);")
+    print("pad%: padding share of the B x T padded tensors; pad/pack >= 1: the packed entry is as fast as padded")
+    print(f"{'B':>5} {'T':>5} {'tokens':>7} {'pad%':>4} {'list':>7} {'packed':>7} {'padded':>7} {'per-seq':>8} "
+          f"{'cat+split':>9} {'list-packed':>11} {'pad/pack':>8} {'list/pack':>9} {'seq/list':>8}")
+    for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128), (4096, 64)]:
         inputs = make_inputs(num_seqs, max_len)
-        pg_loss = torch.ones(sum(inputs["response_lengths"]))
-        check_same(inputs, pg_loss)
-        t_ours, t_seq = interleaved_medians_ms(lambda: ours(inputs, pg_loss), lambda: per_sequence(inputs, pg_loss),
-                                               args.repeats)
-        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>8} {t_ours:>9.2f} {t_seq:>11.2f} {t_seq / t_ours:>6.1f}x")
+        lengths = inputs["response_lengths"]
+        pg_loss = torch.ones(sum(lengths))
+        flat = packed_inputs(inputs)
+        dense, real = padded_inputs(inputs)
+        check_same(inputs, pg_loss, flat, dense, real)
+        # the per-sequence loop (10^4-10^5 small tensors per call) leaves the allocator and the caches in a
+        # state that slows whatever runs next: it is timed in a second pass, interleaved with the list entry
+        t_list, t_packed, t_padded, t_cat = interleaved_medians_ms(
+            lambda: ours(inputs, pg_loss), lambda: ours_packed(flat), lambda: padded(dense),
+            lambda: cat_and_split(inputs, lengths), repeats=args.repeats)
+        t_list_2, t_seq = interleaved_medians_ms(lambda: ours(inputs, pg_loss), lambda: per_sequence(inputs, pg_loss),
+                                                 repeats=args.repeats)
+        padding = 100 * (1 - len(pg_loss) / real.numel())
+        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {padding:>4.0f} {t_list:>7.2f} {t_packed:>7.2f} "
+              f"{t_padded:>7.2f} "
+              f"{t_seq:>8.1f} {t_cat:>9.2f} {t_list - t_packed:>11.2f} {t_padded / t_packed:>7.2f}x "
+              f"{t_list / t_packed:>8.2f}x {t_seq / t_list_2:>7.1f}x")
 
     inputs = make_inputs(64, 512)
     pg_loss = torch.ones(sum(inputs["response_lengths"]))
@@ -186,8 +373,10 @@ def main() -> None:
     print(f"pure-Python reference (tests/reference.py) at B=64, T=512: {t_ref:.0f} ms vs ours {t_ours:.2f} ms "
           f"({t_ref / t_ours:.0f}x)")
 
-    small, large = count_ops(8), count_ops(512)
-    print(f"aten ops per call: B=8 -> {small}, B=512 -> {large} ({'equal' if small == large else 'DIFFERENT'})")
+    (small, small_packed), (large, large_packed) = count_ops(8), count_ops(512)
+    same = lambda a, b: "equal" if a == b else "DIFFERENT"  # noqa: E731
+    print(f"aten ops per call: list B=8 -> {small}, B=512 -> {large} ({same(small, large)}); "
+          f"packed B=8 -> {small_packed}, B=512 -> {large_packed} ({same(small_packed, large_packed)})")
 
 
 if __name__ == "__main__":
