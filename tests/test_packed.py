@@ -11,7 +11,7 @@ import torch
 from conftest import random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from op_count import count_aten_ops
+from op_count import OP_COUNT_CONFIGS, OP_COUNT_IDS, count_aten_ops
 
 import miles_mis
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed
@@ -312,13 +312,7 @@ def ops_per_packed_call(config, num_seqs):
     return count_aten_ops(lambda: compute_mis_weights_packed(config, **inputs))
 
 
-@pytest.mark.parametrize("config", [
-    MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
-    MisConfig(use_tis=True, tis_level="geometric", tis_mode="mask", use_rs=True, rs_level="sequence",
-              tis_lower_bound=0.9, tis_upper_bound=1.1, tis_batch_normalize=True),
-    MisConfig(use_tis=True, rs_divergence={"token_k2": 0.1, "seq_mean_k1": [0.9, 1.1], "seq_max_k3": 0.5}),
-    MisConfig(use_tis=False),
-], ids=["default", "geometric-mask-seq-rs", "divergence", "metrics-only"])
+@pytest.mark.parametrize("config", OP_COUNT_CONFIGS, ids=OP_COUNT_IDS)
 def test_packed_op_count_does_not_grow_with_batch_size(config):
     assert ops_per_packed_call(config, 8) == ops_per_packed_call(config, 64) == ops_per_packed_call(config, 512)
 
