@@ -448,7 +448,11 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
 
 
 def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:
-    return {name: value.float().expand(num_tokens).contiguous() for name, value in values.items()}
+    """Batch-level values -> one [N] column each (one fill of an [N, M] table, as the per-sequence metrics)."""
+    if not values:
+        return {}
+    table = torch.stack([value.float().reshape(()) for value in values.values()]).expand(num_tokens, -1).contiguous()
+    return dict(zip(values, table.unbind(1)))
 
 
 def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:

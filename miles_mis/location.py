@@ -57,11 +57,16 @@ def combine(per_rank: Tensor) -> Tensor:
     return torch.cat([per_rank[:, :len(SUM_NAMES)].sum(0), per_rank[:, len(SUM_NAMES):].amax(0)])
 
 
+_RATIOS = (("k3_first_token", "first_k3", "first_n"), ("k3_low_rollout_prob", "low_k3", "low_n"),
+           ("low_rollout_prob_token_fraction", "low_n", "usable_n")) + tuple(
+    (f"k3_position_{name}", f"position_k3_{name}", f"position_n_{name}") for name in BUCKET_NAMES)
+_NUMERATORS = [INDEX[numerator] for _, numerator, _ in _RATIOS]
+_DENOMINATORS = [INDEX[denominator] for _, _, denominator in _RATIOS]
+
+
 def metrics(values: Tensor) -> dict[str, Tensor]:
-    """Batch-level metric values (0-d float32) from the combined vector."""
-    ratio = lambda a, b: (values[INDEX[a]] / values[INDEX[b]].clamp(min=1.0)).float()  # noqa: E731
-    out = {"k3_first_token": ratio("first_k3", "first_n"), "k3_low_rollout_prob": ratio("low_k3", "low_n"),
-           "low_rollout_prob_token_fraction": ratio("low_n", "usable_n")}
-    for name in BUCKET_NAMES:
-        out[f"k3_position_{name}"] = ratio(f"position_k3_{name}", f"position_n_{name}")
-    return out
+    """Batch-level metric values (0-d float32) from the combined vector: every ratio in one division."""
+    index = torch.tensor(_NUMERATORS + _DENOMINATORS, device=values.device)
+    parts = values.index_select(0, index).view(2, -1)
+    ratios = (parts[0] / parts[1].clamp(min=1.0)).float()
+    return dict(zip((name for name, _, _ in _RATIOS), ratios.unbind(0)))
