@@ -17,6 +17,7 @@ The statistics are reported every call as ``mis_batch_k3``, ``mis_batch_kl`` and
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 STATISTICS = ("k3", "kl", "max_abs_log_ratio")
@@ -26,9 +27,7 @@ PART_REDUCE = ("sum", "sum", "sum", "max")  # how each part combines over ranks
 
 def parts(sum_k3: Tensor, sum_log_ratio: Tensor, n_usable: Tensor, max_abs_log_ratio: Tensor) -> Tensor:
     """The four numbers of this micro-batch (or rank), float64, in PARTS order."""
-    from torch import stack
-
-    return stack([sum_k3, -sum_log_ratio, n_usable, max_abs_log_ratio]).double()
+    return torch.stack([sum_k3, -sum_log_ratio, n_usable, max_abs_log_ratio]).double()
 
 
 def statistics(values: Tensor) -> dict[str, Tensor]:

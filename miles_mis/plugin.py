@@ -146,9 +146,13 @@ def _log(correction: core.Correction, cp: distributed.Group = distributed.SINGLE
 
 def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
     """The DP group a rank whose config failed to build would have used, read from the raw attributes: such
-    a rank must still join its DP peers' normalisation exchange (with its error) so that they do not wait."""
-    wants = (getattr(args, "tis_batch_normalize_scope", None) == "dp" and getattr(args, "use_tis", False) is True
-             and getattr(args, "tis_batch_normalize", False) is True)
+    a rank must still join its DP peers' exchange (normalisation or batch gate, with its error) so that they do
+    not wait."""
+    use_tis = getattr(args, "use_tis", False) is True
+    wants = use_tis and ((getattr(args, "tis_batch_normalize_scope", None) == "dp"
+                          and getattr(args, "tis_batch_normalize", False) is True)
+                         or (getattr(args, "rs_batch_gate_scope", None) == "dp"
+                             and bool(getattr(args, "rs_batch_gate", None))))
     try:
         return distributed.resolve_dp_group(parallel_state) if wants else distributed.SINGLE
     except Exception:  # noqa: BLE001 (no group to join: the error is raised locally below)
