@@ -20,6 +20,7 @@ from typing import Any, Mapping
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
+AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -42,7 +43,13 @@ class MisConfig:
     use_rs: reject tokens/sequences whose ratio at ``rs_level`` leaves [rs_lower_bound, rs_upper_bound].
     tis_level / rs_level: "token" | "sequence" | "geometric".
     tis_mode: "truncate" | "clip" | "mask" | "icepop".
-    tis_lower_bound: defaults to 1 / tis_upper_bound.
+    tis_upper_bound: a number, or "auto" (tis_mode truncate only): each call picks the largest bound in
+        tis_auto_bounds whose truncated weights keep the batch's ESS >= tis_auto_target_ess (miles_mis.adaptive).
+    tis_lower_bound: defaults to 1 / tis_upper_bound (with "auto": unset, truncate has no lower bound).
+    tis_auto_target_ess: the ESS the adaptive bound keeps, in (0, 1].
+    tis_auto_bounds: the adaptive bound's search range [U_lo, U_hi], 1 <= U_lo < U_hi, "L_U" or [L, U].
+    tis_auto_scope: "micro_batch" (the tokens of every CP rank of this micro-batch) or "dp" (also of every
+        data-parallel rank: one more exchange of a fixed-size histogram per call).
     rs_lower_bound / rs_upper_bound: default to the (resolved) tis bounds.
     rs_veto_threshold: None = off; otherwise a sequence with any valid token whose ratio is
         below it is rejected whole.
@@ -66,7 +73,7 @@ class MisConfig:
     rs_level: str = "token"
     tis_mode: str = "truncate"
     tis_lower_bound: float | None = None
-    tis_upper_bound: float = 2.0
+    tis_upper_bound: Any = 2.0
     rs_lower_bound: float | None = None
     rs_upper_bound: float | None = None
     rs_veto_threshold: float | None = None
@@ -77,6 +84,14 @@ class MisConfig:
     rs_batch_gate: Any = None
     rs_batch_gate_scope: str = "micro_batch"
     metrics_low_prob_threshold: float = 0.1
+    tis_auto_target_ess: float = 0.9
+    tis_auto_bounds: Any = (1.2, 20.0)
+    tis_auto_scope: str = "micro_batch"
+
+    @property
+    def adaptive_bound(self) -> bool:
+        """The TIS upper bound is chosen per call (``tis_upper_bound: auto``)."""
+        return self.tis_upper_bound == AUTO
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -104,7 +119,19 @@ class MisConfig:
             raise ValueError(f"metrics_low_prob_threshold={self.metrics_low_prob_threshold!r} is invalid: allowed "
                              "values are probabilities in (0, 1)")
         set_("metrics_low_prob_threshold", low)
-        upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
+        veto = _as_positive("rs_veto_threshold", self.rs_veto_threshold, default=None)
+        if veto is not None and veto >= 1.0:
+            raise ValueError(
+                f"rs_veto_threshold={veto!r} is invalid: it is a probability ratio below which a token is "
+                "catastrophic; allowed values are null (off) or a number in (0, 1), typically 1e-4 to 1e-6"
+            )
+        set_("rs_veto_threshold", veto)
+        if self._check_adaptive():
+            return
+        try:
+            upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
+        except ValueError as error:
+            raise ValueError(f"{error} or auto (an adaptive bound, tis_mode truncate)") from None
         lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
         if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
             _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
@@ -118,17 +145,53 @@ class MisConfig:
                          note="" if self.rs_lower_bound is not None and self.rs_upper_bound is not None
                          else " (an unset rs bound takes the tis bound, and tis_lower_bound defaults to "
                               "1/tis_upper_bound)")
-        veto = _as_positive("rs_veto_threshold", self.rs_veto_threshold, default=None)
-        if veto is not None and veto >= 1.0:
-            raise ValueError(
-                f"rs_veto_threshold={veto!r} is invalid: it is a probability ratio below which a token is "
-                "catastrophic; allowed values are null (off) or a number in (0, 1), typically 1e-4 to 1e-6"
-            )
         set_("tis_upper_bound", upper)
         set_("tis_lower_bound", lower)
         set_("rs_upper_bound", rs_upper)
         set_("rs_lower_bound", rs_lower)
-        set_("rs_veto_threshold", veto)
+
+    def _check_adaptive(self) -> bool:
+        """Validate the tis_auto_* keys; with ``tis_upper_bound: auto`` resolve the bounds and return True."""
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        target = _as_positive("tis_auto_target_ess", self.tis_auto_target_ess, required=True)
+        if target > 1.0:
+            raise ValueError(f"tis_auto_target_ess={self.tis_auto_target_ess!r} is invalid: an ESS fraction; "
+                             "allowed values are in (0, 1]")
+        bounds = _as_range("tis_auto_bounds", self.tis_auto_bounds)
+        if bounds[0] < 1.0:
+            raise ValueError(f"tis_auto_bounds={list(bounds)!r} is invalid: a truncation bound below 1 truncates "
+                             "on-policy tokens (ratio 1); allowed values are [L, U] with 1 <= L < U <= "
+                             f"{RATIO_MAX:.3g}")
+        scope = _as_choice("tis_auto_scope", self.tis_auto_scope, NORMALIZE_SCOPES)
+        set_("tis_auto_target_ess", target)
+        set_("tis_auto_bounds", bounds)
+        set_("tis_auto_scope", scope)
+        if not self.adaptive_bound:
+            if isinstance(self.tis_upper_bound, str) and self.tis_upper_bound.strip().lower() == AUTO:
+                raise ValueError(f"tis_upper_bound={self.tis_upper_bound!r} is invalid: write auto (lower case) "
+                                 "or a number")
+            changed = [key for key, default in (("tis_auto_target_ess", 0.9), ("tis_auto_bounds", (1.2, 20.0)),
+                                                ("tis_auto_scope", "micro_batch")) if getattr(self, key) != default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only act with tis_upper_bound: auto (tis_upper_bound is "
+                                 f"{self.tis_upper_bound!r}): set tis_upper_bound: auto or remove them")
+            return False
+        if self.tis_mode != "truncate":
+            raise ValueError(f"tis_upper_bound: auto is a truncation bound: allowed only with tis_mode truncate "
+                             f"(tis_mode is {self.tis_mode!r})")
+        lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=None)
+        rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=None)
+        rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
+        if self.use_rs:
+            if rs_upper is None or rs_lower is None:
+                raise ValueError("with tis_upper_bound: auto and use_rs, set rs_lower_bound and rs_upper_bound (or "
+                                 "tis_lower_bound): unset rs bounds take the tis bounds, and the upper one changes "
+                                 "every call")
+            _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper)
+        set_("tis_lower_bound", lower)
+        set_("rs_upper_bound", rs_upper)
+        set_("rs_lower_bound", rs_lower)
+        return True
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -203,6 +266,7 @@ class MisConfig:
         out["rs_divergence"] = {option: (upper if lower is None else [lower, upper])
                                 for option, lower, upper in self.rs_divergence} or None
         out["rs_batch_gate"] = dict(self.rs_batch_gate) or None
+        out["tis_auto_bounds"] = list(self.tis_auto_bounds)
         return out
 
 

@@ -21,6 +21,7 @@ per micro-batch on ~10⁵–10⁶ tokens. Every value multiplied by a mask here 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import divergence, gate, location
+from . import adaptive, divergence, gate, location
 from .config import MisConfig
 from .ops import LOG_RATIO_CLAMP, indicator
 from .segments import PackedBatch
@@ -87,6 +88,11 @@ class TokenTerms:
     estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
     divergence_kept: dict  # token option -> 0/1 kept by that option
 
+    def bounded(self, upper: Tensor) -> "TokenTerms":
+        """These terms with the token weights truncated at ``upper`` (the adaptive bound, known only once the
+        histogram of every rank's ratios has been combined)."""
+        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper))
+
     @property
     def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf or a fill value (|log p| ≥ LOG_PROB_BOUND)
         return self.valid - self.usable
@@ -115,7 +121,7 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
 
     token_pass = usable
     token_weight = token_ratio
-    if config.tis_level == "token":
+    if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
         token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound,
                                                config.tis_upper_bound)
         token_pass = token_pass * (1.0 - rejected)
@@ -242,16 +248,49 @@ def level_log_ratio(stats: Tensor, level: str) -> Tensor:
     raise ValueError(f"level={level!r} has no per-sequence ratio: allowed values are sequence, geometric")
 
 
+def adaptive_token_level(config: MisConfig) -> bool:
+    """The token weights' bound is chosen per call from every rank's ratios (before the per-sequence table)."""
+    return config.use_tis and config.adaptive_bound and config.tis_level == "token"
+
+
 def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig) -> Tensor:
-    """This rank's fixed-size vector of batch sums (miles_mis.location.NAMES): combined over CP ranks with
-    ``location.combine`` (it travels in the agreement header)."""
-    return location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
-                                 batch.positions, config.metrics_low_prob_threshold)
+    """This rank's fixed-size float64 vector of batch sums: miles_mis.location.NAMES, then, with an adaptive
+    token-level bound, the histogram of the passing tokens' ratios (miles_mis.adaptive). Combined over CP ranks
+    with ``combine_batch_values`` (it travels in the agreement header)."""
+    values = location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
+                                   batch.positions, config.metrics_low_prob_threshold)
+    if adaptive_token_level(config):
+        edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
+        values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges)])
+    return values
+
+
+def combine_batch_values(per_rank: Tensor) -> Tensor:
+    """[C, M] -> [M]: the location part combined by ``location.combine``, a histogram after it added."""
+    size = len(location.NAMES)
+    return torch.cat([location.combine(per_rank[:, :size]), per_rank[:, size:].sum(0)])
+
+
+def bound_token_terms(terms: TokenTerms, batch_values: Tensor, config: MisConfig,
+                      reduce_histogram: Callable[[Tensor], Tensor] | None = None
+                      ) -> tuple[TokenTerms, adaptive.Choice | None]:
+    """With an adaptive token-level bound: pick U from the histogram in the (CP-combined) ``batch_values``,
+    summed over the DP group by ``reduce_histogram`` (``tis_auto_scope: dp``), and truncate the token weights
+    at it. Otherwise the terms unchanged and None."""
+    if not adaptive_token_level(config):
+        return terms, None
+    hist = batch_values[len(location.NAMES):]
+    if reduce_histogram is not None:
+        hist = reduce_histogram(hist)
+    choice = adaptive.choose(hist, adaptive.candidates(config.tis_auto_bounds, hist.device),
+                             config.tis_auto_target_ess)
+    return terms.bounded(choice.upper.to(terms.token_ratio.device)), choice
 
 
 def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
              reduce_normalizer: Callable[[Tensor], Tensor] | None = None, batch_values: Tensor | None = None,
-             reduce_gate: Callable[[Tensor], Tensor] | None = None) -> Correction:
+             reduce_gate: Callable[[Tensor], Tensor] | None = None, bound: adaptive.Choice | None = None,
+             reduce_histogram: Callable[[Tensor], Tensor] | None = None) -> Correction:
     """Sequence-level decisions, final weights and all metrics for this rank's tokens.
 
     ``stats`` is the per-sequence table combined over the context-parallel group, so every rank
@@ -261,6 +300,9 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     ``reduce_normalizer`` sums the [numerator, denominator] of the normalisation mean over the
     data-parallel group (``tis_batch_normalize_scope: dp``); None keeps it per micro-batch.
     ``reduce_gate`` combines the batch gate's parts over the DP group (``rs_batch_gate_scope: dp``).
+    ``bound``: the adaptive token-level bound ``bound_token_terms`` picked (``terms`` are bounded at it);
+    ``reduce_histogram`` sums the adaptive sequence-level bound's histogram over the DP group
+    (``tis_auto_scope: dp``).
     """
     seq_values = mismatch_seq_metrics(stats)
     token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
@@ -285,22 +327,23 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         gated, message = gate.decide(gate_statistics, config.rs_batch_gate)
         batch_metrics["batch_gated"] = torch.tensor(float(gated), device=stats.device)
         seq_reject = seq_reject | gated
-    # -- importance weights before/after bounding, at tis_level
+    # -- importance weights before/after bounding, at tis_level (an adaptive sequence-level bound waits for
+    # the sequence decisions: it is chosen over the kept sequences, and truncation rejects nothing)
+    seq_weight = seq_ratio = None
     if config.tis_level == "token":
+        if config.adaptive_bound and bound is None:
+            raise ValueError("tis_upper_bound: auto at token level: pass the bound bound_token_terms chose")
+        upper = bound.upper if config.adaptive_bound else config.tis_upper_bound
         token_metrics["tis_weight_before_bound"] = terms.token_ratio
         token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
-                                                    config.tis_lower_bound, config.tis_upper_bound))
+                                                    config.tis_lower_bound, upper))
         token_metrics["tis_weight_after_bound"] = terms.token_weight
-        seq_weight = None
     else:
         seq_ratio = _clamped_exp(level_log_ratio(stats, config.tis_level))
-        seq_weight, rejected = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound,
-                                             config.tis_upper_bound)
-        seq_reject = seq_reject | (rejected > 0)
         seq_values["tis_weight_before_bound"] = seq_ratio
-        seq_values.update(bound_fraction_metrics("tis_", config.tis_mode, seq_ratio,
-                                                 config.tis_lower_bound, config.tis_upper_bound))
-        seq_values["tis_weight_after_bound"] = seq_weight
+        if not config.adaptive_bound:
+            seq_weight = _bound_seq_ratio(seq_values, seq_ratio, config, config.tis_upper_bound)
+            seq_reject = seq_reject | (seq_values.pop(_REJECTED) > 0)
 
     # -- rejection sampling at rs_level (token level already folded into terms.token_pass)
     if config.use_rs:
@@ -329,9 +372,22 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         token_metrics.update(div_token)
         seq_values.update(div_seq)
     seq_keep = ~(seq_reject | (stats[:, COL["n_valid"]] > stats[:, COL["n_usable"]]))
+    n_pass = stats[:, COL["n_token_pass"]] * seq_keep
+
+    # -- the adaptive bound: at sequence level chosen here, over the kept sequences (each counted n_pass times)
+    if config.adaptive_bound:
+        if seq_ratio is not None:
+            hist = adaptive.histogram(seq_ratio, n_pass, adaptive.candidates(config.tis_auto_bounds, stats.device))
+            if reduce_histogram is not None:
+                hist = reduce_histogram(hist)
+            bound = adaptive.choose(hist, adaptive.candidates(config.tis_auto_bounds, hist.device),
+                                    config.tis_auto_target_ess)
+            seq_weight = _bound_seq_ratio(seq_values, seq_ratio, config, bound.upper.to(stats.device))
+            seq_values.pop(_REJECTED)
+        batch_metrics.update(tis_upper_bound_effective=bound.upper, ess_before_bound=bound.ess_before,
+                             ess_after_bound=bound.ess_after)
 
     # -- batch statistics of the kept weights (before normalisation), from the per-sequence table
-    n_pass = stats[:, COL["n_token_pass"]] * seq_keep
     if seq_weight is None:
         sum_w = (stats[:, COL["sum_token_weight"]] * seq_keep).sum()
         sum_w_sq = (stats[:, COL["sum_token_weight_sq"]] * seq_keep).sum()
@@ -387,6 +443,19 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
     token_metrics.update(_expand({**norm_values, **batch_metrics}, weight.numel()))
     return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token), message)
+
+
+_REJECTED = "_rejected"  # internal: the bounding stage's rejections, popped by the caller
+
+
+def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: MisConfig, upper) -> Tensor:
+    """Per-sequence weights of the sequence-level ratios bounded at ``upper``; their metrics (and the rejections,
+    under _REJECTED) go into ``seq_values``."""
+    seq_weight, rejected = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound, upper)
+    seq_values.update(bound_fraction_metrics("tis_", config.tis_mode, seq_ratio, config.tis_lower_bound, upper))
+    seq_values["tis_weight_after_bound"] = seq_weight
+    seq_values[_REJECTED] = rejected
+    return seq_weight
 
 
 def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:

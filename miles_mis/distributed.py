@@ -29,7 +29,9 @@ from torch import Tensor
 LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 _INTS = "<6q"  # magic, error flag, error sequence, batch size, table width, config fingerprint
-PAYLOAD_SLOTS = 24  # the batch-sum vector of miles_mis.location (18) and the DP exchanges' numbers
+# the batch-sum vector of miles_mis.location (18) + the adaptive bound's histogram (195), and the DP exchanges'
+# numbers (at most that histogram)
+PAYLOAD_SLOTS = 224
 _FLOATS = f"<{PAYLOAD_SLOTS}d"
 MESSAGE_BYTES, CONFIG_BYTES = 512, 1536
 HEADER_BYTES = struct.calcsize(_INTS) + struct.calcsize(_FLOATS) + MESSAGE_BYTES + CONFIG_BYTES

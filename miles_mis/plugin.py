@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import core, distributed, gate, location
+from . import core, distributed, gate
 from .config import MisConfig
 from .layout import QKV_FORMATS, zigzag_layout
 
@@ -120,20 +120,40 @@ def compute_mis_weights_packed(
 def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core.Correction:
     """The core on whole sequences (context parallel size 1): the local table is the whole table."""
     terms = core.token_terms(batch, config)
-    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
+    batch_values = core.local_batch_values(batch, terms, config)
+    terms, bound = core.bound_token_terms(terms, batch_values, config)
+    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config,
+                               batch_values=batch_values, bound=bound)
     _log(correction)
     return correction
 
 
 # --------------------------------------------------------------------------- the call
-def _dp_scopes(config: MisConfig) -> tuple[bool, bool]:
-    """(the normalisation is over the DP group, the batch gate is over the DP group)."""
-    return (config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp",
-            config.use_tis and bool(config.rs_batch_gate) and config.rs_batch_gate_scope == "dp")
+@dataclass(frozen=True)
+class _DpScopes:
+    """Which batch quantities are taken over the data-parallel group (each is one DP exchange per call)."""
+
+    normalize: bool  # tis_batch_normalize_scope: dp
+    gate: bool  # rs_batch_gate_scope: dp
+    token_bound: bool  # tis_auto_scope: dp at token level (exchanged before the per-sequence table)
+    seq_bound: bool  # tis_auto_scope: dp at sequence level (exchanged in finalize)
+
+    @property
+    def in_finalize(self) -> bool:
+        """Some DP exchange happens after the per-sequence table's CP exchange."""
+        return self.normalize or self.gate or self.seq_bound
+
+
+def _dp_scopes(config: MisConfig) -> _DpScopes:
+    auto_dp = config.use_tis and config.adaptive_bound and config.tis_auto_scope == "dp"
+    return _DpScopes(config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp",
+                     config.use_tis and bool(config.rs_batch_gate) and config.rs_batch_gate_scope == "dp",
+                     auto_dp and config.tis_level == "token", auto_dp and config.tis_level != "token")
 
 
 def _dp_group(config: MisConfig, parallel_state: Any) -> distributed.Group:
-    if any(_dp_scopes(config)):
+    scopes = _dp_scopes(config)
+    if scopes.token_bound or scopes.in_finalize:
         return distributed.resolve_dp_group(parallel_state)
     return distributed.SINGLE
 
@@ -146,13 +166,15 @@ def _log(correction: core.Correction, cp: distributed.Group = distributed.SINGLE
 
 def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
     """The DP group a rank whose config failed to build would have used, read from the raw attributes: such
-    a rank must still join its DP peers' exchange (normalisation or batch gate, with its error) so that they do
-    not wait."""
+    a rank must still join its DP peers' exchange (normalisation, batch gate or adaptive bound, with its error)
+    so that they do not wait."""
     use_tis = getattr(args, "use_tis", False) is True
     wants = use_tis and ((getattr(args, "tis_batch_normalize_scope", None) == "dp"
                           and getattr(args, "tis_batch_normalize", False) is True)
                          or (getattr(args, "rs_batch_gate_scope", None) == "dp"
-                             and bool(getattr(args, "rs_batch_gate", None))))
+                             and bool(getattr(args, "rs_batch_gate", None)))
+                         or (getattr(args, "tis_auto_scope", None) == "dp"
+                             and getattr(args, "tis_upper_bound", None) == "auto"))
     try:
         return distributed.resolve_dp_group(parallel_state) if wants else distributed.SINGLE
     except Exception:  # noqa: BLE001 (no group to join: the error is raised locally below)
@@ -179,10 +201,9 @@ class _Local:
 
     config: MisConfig
     packed: PackedInputs
-    terms: core.TokenTerms
-    stats: Tensor
+    terms: core.TokenTerms  # with an adaptive token-level bound: not yet bounded (the bound needs every rank)
     text: str
-    batch_values: Tensor  # this rank's batch sums (location.NAMES), combined over CP in the agreement header
+    batch_values: Tensor  # this rank's batch sums (and bound histogram), combined over CP in the agreement header
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None) -> _Local:
@@ -202,17 +223,17 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, q
         problem = problem.replace("sequence 0 is on", "the log-probs are on")
         raise InputError(f"pg_loss {problem}")
     terms = core.token_terms(packed.batch, config)
-    stats = core.local_seq_stats(packed.batch, terms, config)
-    return _Local(config, packed, terms, stats, config_text(config, qkv_format),
+    return _Local(config, packed, terms, config_text(config, qkv_format),
                   core.local_batch_values(packed.batch, terms, config))
 
 
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
          qkv_format: str | None = None):
-    """Prepare locally, agree with the CP peers, exchange the per-sequence table, finalize.
+    """Prepare locally, agree with the CP peers, [pick the adaptive bound], exchange the per-sequence table,
+    finalize.
 
-    Any exception before the exchange is carried into the agreement header instead of being raised alone,
-    so every CP rank (and, with the dp normalisation scope, every DP rank) raises together.
+    Any exception before the agreement is carried into its header instead of being raised alone, so every CP
+    rank raises together; the DP peers are told in the first DP exchange they wait in (docs/reliability.md).
     """
     local = error = None
     dp = distributed.SINGLE
@@ -228,28 +249,41 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
         if cp.size > 1:
             headers = distributed.agree(cp, "cp", error=error,
                                         batch_size=-1 if local is None else local.packed.batch.num_seqs,
-                                        width=-1 if local is None else local.stats.shape[1], config_text=text,
+                                        width=-1 if local is None else core.num_columns(local.config),
+                                        config_text=text,
                                         payload=() if local is None else local.batch_values.tolist())
-            stats = distributed.exchange_seq_stats(local.stats, local.packed.length_table, cp)
-            stats = core.combine_seq_stats(stats, local.config).float()
-            batch_values = location.combine(torch.tensor([h.payload[:len(location.NAMES)] for h in headers],
-                                                         dtype=torch.float64))
+            size = local.batch_values.numel()
+            batch_values = core.combine_batch_values(
+                torch.tensor([h.payload[:size] for h in headers], dtype=torch.float64))
         elif error is not None:
             raise error
         else:
-            stats, batch_values = local.stats, local.batch_values
+            batch_values = local.batch_values
     except Exception as failure:  # noqa: BLE001
-        if dp.size > 1:  # tell the data-parallel peers waiting in the normalisation exchange, then raise
+        if dp.size > 1:  # tell the data-parallel peers waiting in their first DP exchange, then raise
             distributed.agree(dp, "dp", error=failure, config_text=text)
         raise
 
     config, packed = local.config, local.packed
-    normalize_dp, gate_dp = _dp_scopes(config)
-    reduce = (lambda parts: distributed.dp_sum(parts, dp, text)) if dp.size > 1 and normalize_dp else None
+    scopes = _dp_scopes(config)
+    dp_sum = (lambda values: distributed.dp_sum(values, dp, text)) if dp.size > 1 else None  # noqa: E731
+    terms, bound = core.bound_token_terms(local.terms, batch_values.to(local.terms.token_ratio.device), config,
+                                          reduce_histogram=dp_sum if scopes.token_bound else None)
+    stats = core.local_seq_stats(packed.batch, terms, config)
+    if cp.size > 1:
+        try:
+            stats = distributed.exchange_seq_stats(stats, packed.length_table, cp)
+        except Exception as failure:  # noqa: BLE001
+            if dp.size > 1 and scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
+                distributed.agree(dp, "dp", error=failure, config_text=text)
+            raise
+        stats = core.combine_seq_stats(stats, config).float()
     reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
-                   if dp.size > 1 and gate_dp else None)
-    correction = core.finalize(packed.batch, local.terms, stats, config, reduce_normalizer=reduce,
-                               batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate)
+                   if dp.size > 1 and scopes.gate else None)
+    correction = core.finalize(packed.batch, terms, stats, config,
+                               reduce_normalizer=dp_sum if scopes.normalize else None,
+                               batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate, bound=bound,
+                               reduce_histogram=dp_sum if scopes.seq_bound else None)
     _log(correction, cp)
     if correction.weights is not None:
         weighted = pg_loss * correction.weights.to(pg_loss.dtype)

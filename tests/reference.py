@@ -8,6 +8,7 @@ fast path can be checked against it. Returns the same things as ``compute_mis_we
 from __future__ import annotations
 
 import math
+import struct
 
 
 CLAMP = 20.0
@@ -175,18 +176,68 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     # ---- weights, rejections
     div_token_rejected, div_seq_rejected = (divergence_reference(cfg, sequences, put) if cfg.rs_divergence
                                             else ([[False] * len(t) for t in sequences], [False] * len(sequences)))
-    weights, keeps, seq_weights, seq_trained = [], [], [], []
-    for i, toks in enumerate(sequences):
+
+    def level_ratio(level, tok, toks):
+        if level == "token":
+            return tok["rho"]
         usable = [t for t in toks if t["usable"]]
         sum_ell = sum(t["ell"] for t in usable)
+        if level == "sequence":
+            return _exp(sum_ell)
+        return _exp(sum_ell / max(len(usable), 1))
 
-        def level_ratio(level, tok):
-            if level == "token":
-                return tok["rho"]
-            if level == "sequence":
-                return _exp(sum_ell)
-            return _exp(sum_ell / max(len(usable), 1))
+    if cfg.tis_upper_bound != "auto":
+        return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected,
+                      cfg.tis_upper_bound)
+    # ---- the adaptive bound: chosen over the population, then the fixed-bound computation at it
+    if cfg.tis_level == "token":  # every token passing the token-level stages (sequence rejections come later)
+        population = []
+        for i, toks in enumerate(sequences):
+            for j, t in enumerate(toks):
+                passes = t["usable"] and not div_token_rejected[i][j]
+                if cfg.use_rs and cfg.rs_level == "token":
+                    passes = passes and cfg.rs_lower_bound <= t["rho"] <= cfg.rs_upper_bound
+                if passes:
+                    population.append((t["rho"], 1))
+    else:  # every kept sequence, counted once per kept token (truncation rejects nothing: any bound will do)
+        _, first_masks, _ = _weigh(cfg, sequences, lambda *a: None, {}, level_ratio, gated, div_token_rejected,
+                                   div_seq_rejected, math.inf)
+        population = [(level_ratio(cfg.tis_level, None, toks), sum(mask))
+                      for toks, mask in zip(sequences, first_masks) if sum(mask) > 0]
+    upper, ess_before, ess_after = auto_upper_bound(population, cfg.tis_auto_bounds, cfg.tis_auto_target_ess)
+    for name, value in (("tis_upper_bound_effective", upper), ("ess_before_bound", ess_before),
+                        ("ess_after_bound", ess_after)):
+        for i, toks in enumerate(sequences):
+            put(name, i, [value] * len(toks))
+    return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected, upper)
 
+
+def _ess(population, upper) -> float:
+    """Token-weighted ESS of min(ρ, U) over (ρ, count) pairs; 1 for an empty population."""
+    total = sum(n for _, n in population)
+    first = sum(n * min(rho, upper) for rho, n in population)
+    second = sum(n * min(rho, upper) ** 2 for rho, n in population)
+    return first ** 2 / (total * second) if total and second > 0 else 1.0
+
+
+def auto_upper_bound(population, bounds, target) -> tuple[float, float, float]:
+    """(U, ESS before, ESS at U): the largest of the 64 geometric candidates (rounded to float32, as the weights
+    are) with ESS ≥ target, else the first; by direct evaluation at every candidate."""
+    lower, upper = bounds
+    candidates = [lower * (upper / lower) ** (j / 63) for j in range(64)]
+    candidates[0], candidates[-1] = lower, upper
+    candidates = [struct.unpack("f", struct.pack("f", c))[0] for c in candidates]
+    chosen = candidates[0]
+    for candidate in candidates:
+        if _ess(population, candidate) >= target:
+            chosen = candidate
+    return chosen, _ess(population, math.inf), _ess(population, chosen)
+
+
+def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected, tis_upper):
+    """The weights, masks and metrics of a call whose TIS upper bound is ``tis_upper``."""
+    weights, keeps, seq_weights, seq_trained = [], [], [], []
+    for i, toks in enumerate(sequences):
         seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i] or gated
         if cfg.rs_veto_threshold is not None:
             vetoed = any(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold) for t in toks)
@@ -199,14 +250,15 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         fracs = {k: [] for k in _fractions("tis_", cfg.tis_mode, 1.0, 0.0, 2.0)}
         if cfg.use_rs:
             fracs.update({k: [] for k in _fractions("rs_", "mask", 1.0, 0.0, 2.0)})
+        seq_level_ratio = {level: level_ratio(level, None, toks) for level in ("sequence", "geometric")}
         for t in toks:
-            rho = level_ratio(cfg.tis_level, t)
-            w, rejected = _bound(rho, cfg.tis_mode, cfg.tis_lower_bound, cfg.tis_upper_bound)
+            rho = t["rho"] if cfg.tis_level == "token" else seq_level_ratio[cfg.tis_level]
+            w, rejected = _bound(rho, cfg.tis_mode, cfg.tis_lower_bound, tis_upper)
             keep = t["usable"] and not rejected
-            for k, v in _fractions("tis_", cfg.tis_mode, rho, cfg.tis_lower_bound, cfg.tis_upper_bound).items():
+            for k, v in _fractions("tis_", cfg.tis_mode, rho, cfg.tis_lower_bound, tis_upper).items():
                 fracs[k].append(v)
             if cfg.use_rs:
-                rs_rho = level_ratio(cfg.rs_level, t)
+                rs_rho = t["rho"] if cfg.rs_level == "token" else seq_level_ratio[cfg.rs_level]
                 keep = keep and cfg.rs_lower_bound <= rs_rho <= cfg.rs_upper_bound
                 for k, v in _fractions("rs_", "mask", rs_rho, cfg.rs_lower_bound, cfg.rs_upper_bound).items():
                     fracs[k].append(v)
@@ -223,8 +275,8 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         weights.append(w_list)
         keeps.append(keep_list)
         if cfg.tis_level != "token":
-            seq_weights.append(_bound(level_ratio(cfg.tis_level, None), cfg.tis_mode, cfg.tis_lower_bound,
-                                      cfg.tis_upper_bound)[0])
+            seq_weights.append(_bound(seq_level_ratio[cfg.tis_level], cfg.tis_mode, cfg.tis_lower_bound,
+                                      tis_upper)[0])
             seq_trained.append(any(keep_list))
 
     # ---- batch normalisation over what is trained
