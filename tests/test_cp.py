@@ -38,6 +38,13 @@ def all_configs():
     # the batch gate over every CP rank's tokens: fired (k3 ~ 1e-2 here) and not
     yield MisConfig(use_tis=True, rs_batch_gate={"k3": 1e-6}, tis_batch_normalize=True)
     yield MisConfig(use_tis=True, rs_batch_gate={"k3": 10.0, "max_abs_log_ratio": 50.0})
+    # the adaptive bound: every rank must pick the bound cp = 1 picks (inside the range on these batches)
+    yield MisConfig(use_tis=True, tis_upper_bound="auto", tis_auto_bounds=[1.0, 2.0], tis_auto_target_ess=0.99,
+                    use_rs=True, rs_lower_bound=0.7, rs_upper_bound=1.6, rs_veto_threshold=0.5,
+                    tis_batch_normalize=True)
+    yield MisConfig(use_tis=True, tis_level="sequence", tis_upper_bound="auto", tis_auto_target_ess=0.75)
+    yield MisConfig(use_tis=True, tis_level="geometric", tis_upper_bound="auto", tis_auto_bounds=[1.0, 1.2],
+                    tis_auto_target_ess=0.999, rs_divergence={"token_k3": 0.05})
 
 
 def check_case(rank, size, config, full, pg_loss, fmt, group=None, ps=None):

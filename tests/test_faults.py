@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from cp_harness import cp_state, free_port, make_full_batch, shard
 
-from miles_mis import MisConfig, compute_mis_weights_with_cp
+from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
 from miles_mis.distributed import HEADER_BYTES
 
 CASE_TIMEOUT = 30.0  # seconds without progress before the watchdog declares a hang
@@ -285,8 +285,48 @@ def dp_matrix_worker(rank, size, port, out_dir):
         got = float(metrics["mis_batch_k3"][0]) if metrics["mis_batch_k3"].numel() else expected
         assert abs(got - expected) < 1e-6 * max(1.0, expected), (got, expected)
 
+    # the adaptive bound with tis_auto_scope: dp is the only DP exchange (token level: before the table)
+    auto_token = MisConfig(use_tis=True, tis_upper_bound="auto", tis_auto_scope="dp", tis_auto_bounds=[1.0, 2.0],
+                           tis_auto_target_ess=0.99)
+    auto_sequence = MisConfig(use_tis=True, tis_level="sequence", tis_upper_bound="auto", tis_auto_scope="dp",
+                              tis_auto_target_ess=0.85)
+
+    def auto_bound_over_dp():  # the bound both replicas pick = the bound of their micro-batches joined, at cp 1
+        for config in (auto_token, auto_sequence):
+            _, _, metrics = call(args=_args(config))
+            replicas = [make_full_batch(seed=20 + r, num_seqs=6)[0] for r in range(2)]
+            joined = {key: replicas[0][key] + replicas[1][key] for key in ("train_log_probs", "rollout_log_probs",
+                                                                           "loss_masks")}
+            local = MisConfig.from_dict(dict(config.to_dict(), tis_auto_scope="micro_batch"))
+            _, _, expected = compute_mis_weights(local, **joined)
+            want = next(m for m in expected["mis_tis_upper_bound_effective"] if m.numel())[0].item()
+            got = metrics["mis_tis_upper_bound_effective"]
+            assert bool((got == want).all()), (config.tis_level, got, want)
+            assert local.tis_auto_bounds[0] < want < local.tis_auto_bounds[1], want  # the bound moved
+            alone = [compute_mis_weights(local, **{key: full[key] for key in joined})[2]
+                     ["mis_tis_upper_bound_effective"][0][0].item() for full in replicas]
+            assert alone[0] != alone[1], alone  # so the scope matters: each replica alone picks another bound
+
+    def auto_input_error():
+        return call(args=_args(auto_token), pg_loss=torch.zeros(1, 1)) if rank == 2 else call(args=_args(auto_token))
+
+    def auto_config_typo():  # replica 1 cannot build its config; its raw attributes ask for the dp bound
+        return call(args=_args(auto_token, tis_mdoe="clip") if replica == 1 else _args(auto_token))
+
+    def auto_lengths_after_histogram():
+        # replica 1's CP ranks disagree on a length, found in the table exchange, after the DP histogram
+        # exchange: replica 1 raises together; replica 0 waits in no DP exchange and finishes
+        full, pg_loss = make_full_batch(seed=20 + replica, num_seqs=6)
+        if replica == 1:
+            full["total_lengths"][full["response_lengths"].index(0)] += cp_rank
+        kwargs, local_pg, _ = shard(full, pg_loss, cp_rank, 2, "thd")
+        return compute_mis_weights_with_cp(_args(auto_token), pg_loss=local_pg, parallel_state=ps, **kwargs)
+
     for name, case in (("dp_input_error", input_error), ("dp_config_typo", config_typo),
                        ("dp_configs_differ", configs_differ), ("dp_gate_scope", gate_over_dp),
+                       ("dp_auto_bound", auto_bound_over_dp), ("dp_auto_input_error", auto_input_error),
+                       ("dp_auto_config_typo", auto_config_typo),
+                       ("dp_auto_lengths_after_histogram", auto_lengths_after_histogram),
                        ("dp_healthy_after", lambda: call())):
         _record(out_dir, rank, name, case)
     dist.barrier()
@@ -303,6 +343,10 @@ DP_EXPECTED = {
     "dp_configs_differ": {r: r"^dp ranks disagree on the effective config: .*tis_upper_bound: dp rank 0 has 2.0, "
                              r"dp rank 1 has 3.0" for r in range(4)},
 }
+DP_EXPECTED["dp_auto_input_error"] = DP_EXPECTED["dp_input_error"]
+DP_EXPECTED["dp_auto_config_typo"] = DP_EXPECTED["dp_config_typo"]
+DP_EXPECTED["dp_auto_lengths_after_histogram"] = {
+    r: r"^sequence \d: context-parallel ranks disagree on its lengths" for r in (2, 3)}
 
 
 # --------------------------------------------------------------------------- harness
@@ -399,7 +443,8 @@ def test_dp_cp_fault_matrix_every_rank_raises(tmp_path):
         for rank, pattern in per_rank.items():
             assert_raised(results, case, rank, pattern)
     for rank in range(4):
-        for case in ("dp_gate_scope", "dp_healthy_after"):
+        for case in ("dp_gate_scope", "dp_auto_bound", "dp_healthy_after") + (
+                ("dp_auto_lengths_after_histogram",) if rank < 2 else ()):
             assert results[(case, rank)]["type"] == "ok", results[(case, rank)]
 
 
