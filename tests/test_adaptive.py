@@ -157,3 +157,26 @@ def test_config_accepts_and_round_trips():
     assert (config.rs_lower_bound, config.rs_upper_bound) == (0.5, 3.0)  # rs lower defaults to the tis lower
     assert MisConfig.from_dict(config.to_dict()) == config
     assert not MisConfig().adaptive_bound and MisConfig().tis_lower_bound == 0.5
+
+
+def test_through_the_host_from_a_yaml_file(tmp_path):
+    """host.policy_loss with the plugin and a YAML that asks for the adaptive bound: the decoupled PPO gradient
+    is the PPO gradient weighted by min(ρ, U), U the reference's choice over the five tokens."""
+    from test_host import ADVS, expected_ppo_grad, grads, make_batch
+
+    from miles_mis import host
+    from miles_mis.analyze.report import describe_config
+
+    config = tmp_path / "auto.yaml"
+    config.write_text("tis_upper_bound: auto\ntis_auto_bounds: [1.0, 3.0]\ntis_auto_target_ess: 0.8\n")
+    rollout_gaps = [0.3, -0.2, 1.0, 0.0, -1.5]  # π_old / π_rollout = exp(gap)
+    batch, current = make_batch([[0.0] * 5], [rollout_gaps], [ADVS])
+    args = host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+                            "--custom-config-path", str(config)])
+    _, metrics, (grad,) = grads(args, batch, current)
+    upper, _, _ = auto_upper_bound([(math.exp(g), 1) for g in rollout_gaps], (1.0, 3.0), 0.8)
+    assert math.exp(0.3) < upper < math.e  # the bound truncates the largest ratio only
+    assert metrics["mis_tis_upper_bound_effective"].item() == pytest.approx(upper, rel=1e-6)
+    base = expected_ppo_grad([1.0] * 5, ADVS, 5)
+    torch.testing.assert_close(grad, torch.tensor([min(math.exp(g), upper) * b for g, b in zip(rollout_gaps, base)]))
+    assert "adaptive bound (ESS ≥ 0.8" in describe_config(dict(MisConfig.from_yaml(config).to_dict(), use_tis=True))

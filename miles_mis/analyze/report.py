@@ -272,7 +272,12 @@ def describe_config(config: Mapping[str, Any]) -> str:
         parts = ["metrics only"]
     else:
         low = config.get("tis_lower_bound")
-        parts = [f"{config.get('tis_mode', 'truncate')} [{fmt(low)}, {fmt(config.get('tis_upper_bound'))}]"]
+        if config.get("tis_upper_bound") == "auto":
+            bounds = config.get("tis_auto_bounds") or [None, None]
+            parts = [f"truncate at an adaptive bound (ESS ≥ {fmt(config.get('tis_auto_target_ess'))}, searched in "
+                     f"[{fmt(bounds[0])}, {fmt(bounds[-1])}])"]
+        else:
+            parts = [f"{config.get('tis_mode', 'truncate')} [{fmt(low)}, {fmt(config.get('tis_upper_bound'))}]"]
     if config.get("use_rs"):
         parts.append(f"RS {config.get('rs_level', 'token')} [{fmt(config.get('rs_lower_bound'))}, "
                      f"{fmt(config.get('rs_upper_bound'))}]")
