@@ -3,7 +3,7 @@
 Real gloo process groups on this machine (torch.multiprocessing spawn), cp = 2 and 4, B = 256 responses
 with lengths uniform in [T/4, T], T = 8192, prompts of 256 tokens, the default config.
 
-  ours      compute_mis_weights_with_cp: an all-gather of a fixed 2288-byte agreement header (errors, sizes,
+  ours      compute_mis_weights_with_cp: an all-gather of a fixed 3888-byte agreement header (errors, sizes,
             config fingerprint: docs/reliability.md), then one of a [B, 15] float64 table per rank
   baseline  what miles' example does before its per-sequence loop: for every sequence, each of the two
             log-prob tensors is zero-padded to the full response and all-reduced over the CP group
