@@ -31,9 +31,11 @@ def _configs():
             MisConfig(use_tis=True, tis_level="geometric", tis_mode="mask", use_rs=True, rs_level="sequence",
                       tis_lower_bound=0.9, tis_upper_bound=1.1, tis_batch_normalize=True),
             MisConfig(use_tis=True, rs_divergence={"token_k2": 0.1, "seq_mean_k1": [0.9, 1.1], "seq_max_k3": 0.5}),
-            MisConfig(use_tis=False)]
+            MisConfig(use_tis=False),
+            MisConfig(use_tis=True, tis_upper_bound="auto", tis_batch_normalize=True),
+            MisConfig(use_tis=True, tis_level="sequence", tis_upper_bound="auto")]
 
 
 # the configs whose aten-op count per call must not grow with the batch size (list and packed entry points)
 OP_COUNT_CONFIGS = _configs()
-OP_COUNT_IDS = ["default", "geometric-mask-seq-rs", "divergence", "metrics-only"]
+OP_COUNT_IDS = ["default", "geometric-mask-seq-rs", "divergence", "metrics-only", "auto-token", "auto-sequence"]
