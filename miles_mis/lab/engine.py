@@ -2,9 +2,13 @@
 
 It is a different numeric path from the trainer, as SGLang is from Megatron: token-by-token attention
 written out by hand instead of a fused full-sequence kernel, computed in ``dtype`` (bf16/fp16/fp32),
-over weights copied at each sync, optionally int8-quantised (per output row, symmetric, as low-precision
-rollout does), and synced only every K steps (staleness, as in async training). A synthetic Gaussian
-logit noise can be added for stress tests; it is labelled synthetic wherever it appears.
+over weights copied at each sync, optionally quantised (int8: symmetric per output row; fp8: e4m3 with a
+per-row scale, as fp8 rollout does), and synced only every K steps (staleness, as in async training).
+A MoE model's router runs in the engine dtype too, so near-tie tokens may pick other experts than the
+trainer's float32 router; the engine records its choices for router replay. Sampling may be truncated
+(top-k, top-p), and the engine reports either the log-probs of the full temperature-scaled distribution
+(what SGLang and vLLM return by default) or those of the truncated distribution it actually sampled from.
+A synthetic Gaussian logit noise can be added for stress tests; it is labelled synthetic wherever it appears.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import TinyGPT
+from .model import TinyGPT, choose_experts, mix_experts
 from .task import EOS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_QUANTS = ("none", "int8", "fp8")
+LOGPROB_SOURCES = ("full", "processed")
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 
 
 def quantize_int8(weight: Tensor) -> Tensor:
@@ -27,31 +34,68 @@ def quantize_int8(weight: Tensor) -> Tensor:
     return (weight / scale).round().clamp(-127, 127) * scale
 
 
+def quantize_fp8(weight: Tensor) -> Tensor:
+    """fp8 e4m3 fake quantisation with a per-row scale: cast(w / s, e4m3)·s, s = max|w_row| / 448, so each
+    row's largest weight maps to e4m3's largest value. e4m3 keeps 3 mantissa bits: a relative rounding
+    error of at most 2⁻⁴ for normal values (plus the subnormal floor, 2⁻⁹·s absolute)."""
+    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (weight / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def truncate_distribution(probs: Tensor, top_k: int, top_p: float) -> Tensor:
+    """The sampling distribution after top-k then top-p truncation, renormalised ([N, V] -> [N, V]).
+
+    top-k keeps the k most likely tokens (0 = off); top-p then keeps the smallest set of the most likely
+    tokens whose probability reaches p (1.0 = off), always at least the most likely one (SGLang/vLLM order)."""
+    if top_k <= 0 and top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        kept_probs = sorted_probs * keep
+        before = kept_probs.cumsum(-1) - kept_probs  # mass of the more likely kept tokens
+        keep &= before < top_p * kept_probs.sum(-1, keepdim=True)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 class RolloutEngine:
     def __init__(self, model: TinyGPT, dtype: str = "bf16", weight_quant: str = "none",
-                 temperature: float = 1.0, logit_noise: float = 0.0, seed: int = 0):
+                 temperature: float = 1.0, logit_noise: float = 0.0, seed: int = 0, top_k: int = 0,
+                 top_p: float = 1.0, logprob_source: str = "full"):
         if dtype not in DTYPES:
             raise ValueError(f"--rollout-dtype={dtype!r} is invalid: allowed values are {', '.join(DTYPES)}")
-        if weight_quant not in ("none", "int8"):
-            raise ValueError(f"--rollout-weight-quant={weight_quant!r} is invalid: allowed values are none, int8")
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"--rollout-weight-quant={weight_quant!r} is invalid: allowed values are "
+                             f"{', '.join(WEIGHT_QUANTS)}")
         if temperature <= 0:
             raise ValueError(f"--rollout-temperature={temperature} is invalid: allowed values are > 0")
+        if top_k < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"--rollout-top-k={top_k} / --rollout-top-p={top_p} is invalid: allowed values are "
+                             "top-k >= 0 (0 = off) and top-p in (0, 1] (1 = off)")
+        if logprob_source not in LOGPROB_SOURCES:
+            raise ValueError(f"--rollout-logprob-source={logprob_source!r} is invalid: allowed values are "
+                             f"{', '.join(LOGPROB_SOURCES)}")
         self.cfg = model.cfg
         self.dtype = DTYPES[dtype]
         self.weight_quant = weight_quant
         self.temperature = temperature
+        self.top_k, self.top_p, self.logprob_source = top_k, top_p, logprob_source
         self.logit_noise = logit_noise  # SYNTHETIC: Gaussian noise added to the engine's logits
         self.generator = torch.Generator().manual_seed(seed)
         self.weights: dict[str, Tensor] = {}
         self.sync(model)
 
     def sync(self, model: TinyGPT) -> None:
-        """Copy the trainer's weights (quantising matrices when asked) in the engine dtype."""
+        """Copy the trainer's weights (quantising matrices, experts' included, when asked) in the engine dtype."""
+        quantize = {"int8": quantize_int8, "fp8": quantize_fp8}.get(self.weight_quant)
         self.weights = {}
         for name, value in model.state_dict().items():
             value = value.detach().clone().float()
-            if self.weight_quant == "int8" and value.dim() == 2:
-                value = quantize_int8(value)
+            if quantize is not None and value.dim() >= 2:
+                value = quantize(value)
             self.weights[name] = value.to(self.dtype)
 
     def state_dict(self) -> dict:
@@ -69,8 +113,19 @@ class RolloutEngine:
     def _layer_norm(self, x: Tensor, name: str) -> Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weights[f"{name}.weight"], self.weights[f"{name}.bias"])
 
+    def _mlp(self, x: Tensor, prefix: str) -> tuple[Tensor, Tensor | None]:
+        """The block's MLP in the engine dtype: (output, expert choices [N, k] of a MoE block, else None)."""
+        if f"{prefix}.moe.router.weight" not in self.weights:
+            return self._linear(F.gelu(self._linear(x, f"{prefix}.fc")), f"{prefix}.out"), None
+        w = {name: self.weights[f"{prefix}.moe.{name}"] for name in ("fc_weight", "fc_bias", "out_weight",
+                                                                     "out_bias")}
+        logits = self._linear(x, f"{prefix}.moe.router")  # in the engine dtype: ties break differently
+        choices = choose_experts(logits, self.cfg.moe_top_k)
+        return mix_experts(x, logits, choices, w["fc_weight"], w["fc_bias"], w["out_weight"], w["out_bias"]), choices
+
     def _step(self, tokens: Tensor, position: int, cache: list[dict]) -> Tensor:
-        """One token per sequence -> float32 logits [N, V]; appends this position's K, V to the cache."""
+        """One token per sequence -> float32 logits [N, V]; appends this position's K, V to the cache (and, for a
+        MoE model, each layer's expert choices [N, k] to ``layer_cache["choices"]``)."""
         w = self.weights
         x = w["tok.weight"][tokens] + w["pos.weight"][position]
         heads, width = self.cfg.n_heads, self.cfg.d_model
@@ -84,14 +139,18 @@ class RolloutEngine:
             scores = (q @ layer_cache["k"].transpose(-1, -2)) / math.sqrt(head_dim)
             attn = torch.softmax(scores, dim=-1) @ layer_cache["v"]
             x = x + self._linear(attn.reshape(-1, width), f"{prefix}.proj")
-            hidden = F.gelu(self._linear(self._layer_norm(x, f"{prefix}.ln2"), f"{prefix}.fc"))
-            x = x + self._linear(hidden, f"{prefix}.out")
+            mixed, choices = self._mlp(self._layer_norm(x, f"{prefix}.ln2"), prefix)
+            x = x + mixed
+            if choices is not None:
+                layer_cache.setdefault("choices", []).append(choices)
         return self._linear(self._layer_norm(x, "ln_f"), "head").float()
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Sample a response per prompt (until EOS). Returns (responses, per-token log-probs), the
-        log-probs of the sampled tokens under the engine's own distribution softmax(logits / T)."""
+        """Sample a response per prompt (until EOS). Returns (responses, per-token log-probs): the log-probs of
+        the sampled tokens under softmax(logits / T) (``logprob_source`` full) or under the truncated
+        distribution sampled from (processed). A MoE engine's expert choices of the last call are in
+        ``last_routing``: per response, [n_layers, prompt_len + len − 1, k] (every position it ran)."""
         count, prompt_len = prompts.shape
         cache = [{} for _ in range(self.cfg.n_layers)]
         for position in range(prompt_len - 1):
@@ -105,9 +164,11 @@ class RolloutEngine:
             if self.logit_noise > 0:  # SYNTHETIC mismatch
                 logits = logits + self.logit_noise * torch.randn(logits.shape, generator=self.generator)
             step_log_probs = torch.log_softmax(logits / self.temperature, dim=-1)
-            current = torch.multinomial(step_log_probs.exp(), 1, generator=self.generator).squeeze(1)
+            sampling = truncate_distribution(step_log_probs.exp(), self.top_k, self.top_p)
+            current = torch.multinomial(sampling, 1, generator=self.generator).squeeze(1)
             tokens.append(current)
-            log_probs.append(step_log_probs.gather(1, current[:, None]).squeeze(1))
+            reported = step_log_probs if self.logprob_source == "full" else sampling.log()
+            log_probs.append(reported.gather(1, current[:, None]).squeeze(1))
             finished_now = (current == EOS) & ~done
             lengths = torch.where(finished_now, torch.full_like(lengths, step + 1), lengths)
             done |= current == EOS
@@ -115,4 +176,8 @@ class RolloutEngine:
                 break
         tokens = torch.stack(tokens, 1)
         log_probs = torch.stack(log_probs, 1)
+        self.last_routing = None
+        if self.cfg.moe_experts:  # [n_layers, count, positions run, k] -> per response, the positions it used
+            routing = torch.stack([torch.stack(layer_cache["choices"], 1) for layer_cache in cache])
+            self.last_routing = [routing[:, i, :prompt_len - 1 + int(lengths[i])] for i in range(count)]
         return ([tokens[i, :lengths[i]] for i in range(count)], [log_probs[i, :lengths[i]] for i in range(count)])
