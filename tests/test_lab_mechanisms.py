@@ -121,3 +121,14 @@ def test_fp8_engine_disagrees_more_than_bf16():
         gaps[quant] = float(torch.cat([a.detach() - b for a, b in zip(full, reported)]).abs().mean())
     assert gaps["fp8"] > 2 * gaps["none"] > 0, gaps
     assert math.isfinite(gaps["fp8"]) and gaps["fp8"] < 0.5, gaps
+
+
+def test_reverse_task_targets_and_rewards():
+    prompt = torch.tensor([task.BOS, 3, 1, 2, task.SEP])
+    assert task.target(prompt, "reverse").tolist() == [2, 1, 3, task.EOS]
+    assert task.reward(prompt, torch.tensor([2, 1, 3, task.EOS]), "reverse") == 1.0
+    assert task.reward(prompt, torch.tensor([1, 2, 3, task.EOS]), "reverse") == 0.5  # 3 and EOS right of 4
+    long_prompt = task.make_prompts(1, 64, torch.Generator().manual_seed(0))[0]
+    assert task.target(long_prompt, "reverse").numel() == 65  # the long-response case
+    with pytest.raises(ValueError, match="allowed values are sort, reverse"):
+        task.target(prompt, "rotate")
