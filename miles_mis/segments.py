@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+_INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class PackedBatch:
@@ -41,20 +43,23 @@ class PackedBatch:
         sequence's tokens are its whole response, in order."""
         device = train_log_probs.device
         num_tokens = train_log_probs.numel()
+        num_seqs = seq_lengths.numel()
         seq_lengths = seq_lengths.to(device=device, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(seq_lengths.numel(), device=device), seq_lengths,
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), seq_lengths,
                                             output_size=num_tokens)
-        # A CSR row per sequence: one sparse mat-vec sums a column over every sequence at once,
-        # several times faster on CPU than segment_reduce, index_add_ or a float64 cumsum.
-        row_offsets = torch.zeros(seq_lengths.numel() + 1, dtype=torch.long, device=device)
+        row_offsets = torch.zeros(num_seqs + 1, dtype=torch.long, device=device)
         torch.cumsum(seq_lengths, 0, out=row_offsets[1:])
+        # A CSR row per sequence: one sparse mat-vec sums a column over every sequence at once, several
+        # times faster on CPU than segment_reduce, index_add_ or a float64 cumsum; int32 indices halve the
+        # index traffic of int64 ones (2-3x faster mat-vec, same sums bit for bit).
+        index_dtype = torch.int32 if num_tokens <= _INT32_MAX else torch.long
         with warnings.catch_warnings():  # "sparse CSR support is in beta": mat-vec is all we use
             warnings.simplefilter("ignore", UserWarning)
             segment_matrix = torch.sparse_csr_tensor(
-                row_offsets, torch.arange(num_tokens, device=device), torch.ones(num_tokens, device=device),
-                size=(seq_lengths.numel(), num_tokens), check_invariants=False)
-        if positions is None:  # the token's index minus its sequence's first index
-            positions = torch.arange(num_tokens, device=device).sub_(row_offsets.index_select(0, seq_index))
+                row_offsets.to(index_dtype), torch.arange(num_tokens, dtype=index_dtype, device=device),
+                torch.ones(num_tokens, device=device), size=(num_seqs, num_tokens), check_invariants=False)
+        if positions is None:
+            positions = _positions(seq_lengths, row_offsets, num_tokens)
         return cls(train_log_probs.float(), rollout_log_probs.float(), loss_mask, seq_lengths, seq_index,
                    segment_matrix, positions.to(device=device, dtype=torch.long))
 
@@ -72,3 +77,13 @@ class PackedBatch:
     def broadcast(self, table: Tensor) -> Tensor:
         """[B, M] per-sequence values -> [N, M], each token getting its sequence's row."""
         return table.index_select(0, self.seq_index)
+
+
+def _positions(seq_lengths: Tensor, row_offsets: Tensor, num_tokens: int) -> Tensor:
+    """[N] each token's index in its sequence, as a running count that drops by a sequence's length where the
+    next one starts: one cumsum, 2-3x cheaper than subtracting each token's sequence start (a gather)."""
+    steps = torch.ones(num_tokens + 1, dtype=torch.long, device=seq_lengths.device)
+    steps[0] = 0
+    # sequence i ends at row_offsets[i + 1] (N for the last ones: the extra slot); empty ones add 0
+    steps.index_add_(0, row_offsets[1:], seq_lengths.neg())
+    return steps[:num_tokens].cumsum(0)
