@@ -24,6 +24,7 @@ import difflib
 import importlib
 import importlib.util
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
@@ -62,6 +63,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument("--custom-config-path", default=None,
                        help="YAML file whose top-level keys are set on the parsed args, each checked like its "
                             "flag (default: %(default)s)")
+    group.add_argument("--mis-set", action="append", default=None, metavar="KEY=VALUE",
+                       help="set one miles_mis config key (any key of MisConfig.keys(), e.g. tis_mode, "
+                            "rs_batch_gate) after --custom-config-path, overriding that file's key; VALUE is read "
+                            "as YAML (tis_upper_bound=auto, 'rs_batch_gate={k3: 0.05}') and checked as the same "
+                            "key in the file; repeat for more keys, each once (default: %(default)s = the "
+                            "file's keys and the defaults)")
     group.add_argument("--tis-clip", type=float, default=2.0,
                        help="built-in vanilla TIS upper bound, > 0 (default: %(default)s)")
     group.add_argument("--tis-clip-low", type=float, default=0.0,
@@ -85,7 +92,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse the flags, merge ``--custom-config-path`` (its keys override flags), then validate.
+    """Parse the flags, merge ``--custom-config-path`` (its keys override flags) and then ``--mis-set`` (its keys
+    override the file's), then validate.
 
     miles and slime validate before merging the YAML, so a YAML can enable use_tis together with
     use_rollout_logprobs there; here every check sees the merged values.
@@ -99,21 +107,90 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
 
 def merge_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
     """Set the top-level keys of ``--custom-config-path`` on ``args``, as miles does, but each value first goes
-    through what the command line does to its flag (:func:`convert_config_values`).
+    through what the command line does to its flag (:func:`convert_config_values`); then the ``--mis-set``
+    keys (:func:`apply_mis_set`), which override the file's.
 
     ``parser``: the parser that made ``args`` (a host that adds its own flags passes it, so that they are
     checked too); default the host's flags. Unknown keys: see :func:`convert_config_values`.
     """
-    if not args.custom_config_path:
-        return
-    from .config import load_yaml_mapping
+    parser = parser or build_parser()
+    if getattr(args, "custom_config_path", None):
+        from .config import load_yaml_mapping
 
-    path = str(args.custom_config_path)
-    values = load_yaml_mapping(path)
-    function_path = values.get("custom_tis_function_path", getattr(args, "custom_tis_function_path", None))
-    third_party = lambda: bool(function_path) and not _is_ours(load_function(str(function_path)))  # noqa: E731
-    for key, value in convert_config_values(values, parser or build_parser(), source=path,
-                                            pass_unknown=third_party, plugin_keys=bool(function_path)).items():
+        path = str(args.custom_config_path)
+        values = load_yaml_mapping(path)
+        function_path = values.get("custom_tis_function_path", getattr(args, "custom_tis_function_path", None))
+        third_party = lambda: bool(function_path) and not _is_ours(load_function(str(function_path)))  # noqa: E731
+        for key, value in convert_config_values(values, parser, source=path, pass_unknown=third_party,
+                                                plugin_keys=bool(function_path)).items():
+            setattr(args, key, value)
+    apply_mis_set(args, parser)
+
+
+# flags that only the command line may give (a config file holding them is an error)
+COMMAND_LINE_ONLY = frozenset({"mis_set"})
+MIS_SET_EXAMPLES = "e.g. --mis-set tis_mode=clip, --mis-set 'rs_batch_gate={k3: 0.05}'"
+
+
+def parse_mis_set(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of one ``--mis-set``: the key (stripped) and VALUE read as YAML by the reader of config files
+    (so ``1e-4`` is a string as in a file, ``{k3: 0.05}`` a mapping, an empty VALUE null)."""
+    import yaml
+
+    from .config import _strict_loader
+
+    key, sep, text = str(item).partition("=")
+    key = key.strip()
+    if not sep:
+        raise ValueError(f"--mis-set {item!r} is invalid: expected KEY=VALUE with an '=' ({MIS_SET_EXAMPLES})")
+    if not key:
+        raise ValueError(f"--mis-set {item!r} is invalid: the key before '=' is empty: expected KEY=VALUE "
+                         f"({MIS_SET_EXAMPLES})")
+    try:
+        return key, yaml.load(text, Loader=_strict_loader())
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or getattr(error, "context", None) or str(error)
+        mark = getattr(error, "problem_mark", None)
+        at = f" at character {mark.column + 1}" if mark is not None and mark.line == 0 else ""
+        raise ValueError(f"--mis-set {key}: {text!r} is not a YAML value ({' '.join(problem.split())}{at}): quote "
+                         f"the whole KEY=VALUE for the shell ({MIS_SET_EXAMPLES})") from None
+
+
+def mis_set_keys(args: argparse.Namespace) -> list[str]:
+    """The keys the ``--mis-set`` flags of ``args`` set, in order."""
+    return [str(item).partition("=")[0].strip() for item in getattr(args, "mis_set", None) or ()]
+
+
+def apply_mis_set(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
+    """Set the ``--mis-set KEY=VALUE`` keys on ``args`` (after the config file: they override its keys).
+
+    A key must be a miles_mis config key (``MisConfig.keys()``), given once; its value goes through
+    :func:`convert_config_values` exactly as the same key read from the config file would (a key that is also a
+    flag, ``use_tis``, is converted as that flag; a miles_mis key without a correction function is an error), and
+    ``MisConfig`` checks it in :func:`validate_args`. Errors name ``--mis-set KEY``.
+    """
+    items = getattr(args, "mis_set", None)
+    if not items:
+        return
+    from .config import MisConfig, _did_you_mean
+
+    parser = parser or build_parser()
+    flags = {action.dest for action in parser._actions if action.option_strings}
+    values: dict[str, Any] = {}
+    for item in items:
+        key, value = parse_mis_set(item)
+        if key not in MisConfig.keys():
+            if key in flags:
+                raise ValueError(f"--mis-set {key}: {key!r} is not a miles_mis config key but the flag "
+                                 f"{flag_name(key, parser)}: give that flag instead")
+            raise ValueError(f"--mis-set {key}: unknown key {key!r}{_did_you_mean(key, MisConfig.keys())}; allowed "
+                             f"keys: the miles_mis config keys ({', '.join(MisConfig.keys())})")
+        if key in values:
+            raise ValueError(f"--mis-set {key} is given twice: give each key once")
+        values[key] = value
+    function_path = getattr(args, "custom_tis_function_path", None)
+    for key, value in convert_config_values(values, parser, source="--mis-set", plugin_keys=bool(function_path),
+                                            label=lambda key: f"--mis-set {key}").items():
         setattr(args, key, value)
 
 
@@ -151,7 +228,7 @@ def flag_name(dest: str, parser: argparse.ArgumentParser | None = None) -> str:
 
 def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentParser | None = None, *,
                           source: str, pass_unknown: Callable[[], bool] | bool = False,
-                          plugin_keys: bool = True) -> dict[str, Any]:
+                          plugin_keys: bool = True, label: Callable[[str], str] | None = None) -> dict[str, Any]:
     """The keys of a config file, each value converted and checked exactly as its flag on the command line.
 
     A key that is a flag of ``parser`` (its dest: ``eps_clip`` for ``--eps-clip``) takes the flag's type
@@ -163,23 +240,29 @@ def convert_config_values(values: Mapping[Any, Any], parser: argparse.ArgumentPa
     function that is not miles_mis's may read keys of its own, as miles sets every key on args — and even then
     a key within a typo of a known key is an error. ``plugin_keys`` False (no correction function is named, so
     the built-in TIS runs): a miles_mis config key is an error, since nothing would read it. Errors:
-    ``SOURCE: key 'k' (--flag): ...``.
+    ``SOURCE: key 'k' (--flag): ...``; ``label(key)`` replaces ``SOURCE: key 'k'`` when given. A command-line-only
+    flag (:data:`COMMAND_LINE_ONLY`: ``mis_set``) is an error.
     """
     from .config import MisConfig
 
     parser = parser or build_parser()
+    label = label or (lambda key: f"{source}: key {key!r}")
     actions = {action.dest: action for action in parser._actions
-               if action.option_strings and action.default is not argparse.SUPPRESS}
+               if action.option_strings and action.default is not argparse.SUPPRESS
+               and action.dest not in COMMAND_LINE_ONLY}
     known = tuple(actions) + tuple(k for k in MisConfig.keys() if k not in actions)
     out: dict[str, Any] = {}
     for key, value in values.items():
         if not isinstance(key, str):
             raise ValueError(f"{source}: key {key!r} is invalid: keys are names (strings)")
+        if key in COMMAND_LINE_ONLY:
+            raise ValueError(f"{label(key)} ({flag_name(key, parser)}) is a command-line flag only: set the keys it "
+                             "would set directly in this file (KEY: VALUE)")
         if key in actions:
-            out[key] = _flag_value(actions[key], value, parser, f"{source}: key {key!r} ({flag_name(key, parser)})")
+            out[key] = _flag_value(actions[key], value, parser, f"{label(key)} ({flag_name(key, parser)})")
             continue
         if not plugin_keys and key in MisConfig.keys():
-            raise ValueError(f"{source}: key {key!r} is a miles_mis config key, but no --custom-tis-function-path is "
+            raise ValueError(f"{label(key)} is a miles_mis config key, but no --custom-tis-function-path is "
                              "given, so the built-in TIS would silently ignore it: add --custom-tis-function-path "
                              "miles_mis.compute_mis_weights_with_cp (flag or YAML key)")
         if key not in known:
@@ -271,7 +354,10 @@ def validate_args(args: argparse.Namespace) -> None:
     """Flag ranges (:data:`FLAG_RANGES`) and combinations; each error names the flags involved, and the config
     file when one was merged (its keys count as the flags)."""
     config_path = getattr(args, "custom_config_path", None)
-    where = f" (flags and the keys of {config_path} together)" if config_path else ""
+    overridden = mis_set_keys(args)
+    together = [f"the keys of {config_path}"] if config_path else []
+    together += ["--mis-set use_tis"] if "use_tis" in overridden else []
+    where = f" (flags and {' and '.join(together)} together)" if together else ""
     for dest in FLAG_RANGES:
         if hasattr(args, dest):
             check_flag_range(dest, getattr(args, dest), flag_name(dest))
@@ -294,7 +380,38 @@ def validate_args(args: argparse.Namespace) -> None:
             try:
                 MisConfig.from_args(args)  # the plugin's own config errors, early
             except ValueError as error:
-                raise ValueError(f"{config_path}: {error}" if config_path else str(error)) from None
+                raise ValueError(_config_error_message(str(error), config_path, overridden)) from None
+        cp_size = getattr(args, "context_parallel_size", 1)
+        if is_packed_entry(function) and isinstance(cp_size, int) and cp_size > 1:
+            raise ValueError(packed_cp_message(args.custom_tis_function_path, cp_size, "--context-parallel-size"))
+
+
+def _config_error_message(message: str, config_path: str | None, overridden: Sequence[str]) -> str:
+    """A MisConfig error prefixed with where its values come from: the ``--mis-set`` keys it names
+    (``--mis-set tis_mode='trunc' is invalid ...`` when it is about that key alone), else the config file and the
+    ``--mis-set`` keys (which also went into the config)."""
+    named = [key for key in overridden if re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message)]
+    if len(named) == 1 and re.match(rf"{re.escape(named[0])}[=:.]", message):
+        return f"--mis-set {message}"  # MisConfig's "key=value is invalid ...", as the user wrote it
+    if named:
+        source = ", ".join(f"--mis-set {key}" for key in named)
+        source += f" (with the keys of {config_path})" if config_path else ""
+    else:
+        given = ", ".join(f"--mis-set {key}" for key in overridden)
+        source = (config_path + (f" (with {given})" if given else "")) if config_path else given
+    return f"{source}: {message}" if source else message
+
+
+def is_packed_entry(function: Callable) -> bool:
+    """Whether ``function`` is ``miles_mis.compute_mis_weights_packed`` (by any path that resolves to it)."""
+    from .plugin import compute_mis_weights_packed
+
+    return function is compute_mis_weights_packed
+
+
+def packed_cp_message(path: Any, size: int, what: str = "the context parallel size") -> str:
+    return (f"--custom-tis-function-path {path!s}: compute_mis_weights_packed takes whole sequences, but {what} is "
+            f"{size}: under context parallelism use miles_mis.compute_mis_weights_with_cp (same results, CP shards)")
 
 
 # file plugins, executed once per process: resolved file path -> module
@@ -414,7 +531,7 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     # fail together: a rank whose batch is bad tells its CP peers (one fixed-size exchange) before anyone
     # enters the OPSM or plugin collectives, and every rank raises the same error
     try:
-        prepared, error = _prepare_batch(args, batch, log_probs, cp), None
+        prepared, error = _prepare_batch(args, batch, log_probs, cp, parallel_state), None
     except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
         prepared, error = None, failure
     if cp.size > 1:
@@ -447,12 +564,16 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
         metrics["opsm_fraction"] = float(1.0 - keep.mean()) if keep.numel() else 0.0
 
     reduce_loss = reduce
-    if args.use_tis or args.get_mismatch_metrics:
-        function = load_function(args.custom_tis_function_path) if args.custom_tis_function_path else vanilla_tis
-        pg_loss, modified_masks, tis_metrics = function(
-            args=args, pg_loss=pg_loss, train_log_probs=trainer_scored, rollout_log_probs=rollout,
-            loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
-            parallel_state=parallel_state, max_seq_lens=max_seq_lens)
+    if p.function is not None:  # --use-tis or --get-mismatch-metrics
+        if p.packed_config is not None:  # compute_mis_weights_packed: flat tensors and cu_seqlens (cp 1)
+            pg_loss, modified_masks, tis_metrics = call_packed(
+                p.function, p.packed_config, pg_loss=pg_loss, train_log_probs=trainer_scored,
+                rollout_log_probs=rollout, loss_masks=loss_masks, response_lengths=response_lengths)
+        else:
+            pg_loss, modified_masks, tis_metrics = p.function(
+                args=args, pg_loss=pg_loss, train_log_probs=trainer_scored, rollout_log_probs=rollout,
+                loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
+                parallel_state=parallel_state, max_seq_lens=max_seq_lens)
         # modified masks rebuild the numerator only; denominators stay the original counts
         reduce_loss = Reducer(modified_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
         metrics["ois"] = reduce((-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()).detach()
@@ -481,9 +602,66 @@ def host_config_text(args: argparse.Namespace) -> str:
     return "\n".join(f"{name}={getattr(args, name, None)!r}" for name in AGREED_FLAGS)
 
 
+def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_probs: Sequence[Tensor],
+                rollout_log_probs: Sequence[Tensor] | None, loss_masks: Sequence[Tensor],
+                response_lengths: Sequence[int], **kwargs: Any) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+    """The packed entry point (``compute_mis_weights_packed``) called with what the list entry point gets, at
+    context parallel size 1, returning what the list entry point returns: (``pg_loss`` × weights where the returned
+    mask keeps the token, 0 elsewhere; the returned mask split into per-sequence masks; the ``mis_`` metrics).
+
+    The per-sequence tensors are concatenated and ``cu_seqlens`` is built from ``response_lengths``
+    (whole sequences: the local lengths are the response lengths). Metrics-only (``weights`` None): ``pg_loss``
+    unchanged and the input mask values.
+    """
+    def flat(values: Sequence[Tensor]) -> Tensor:
+        return torch.cat(list(values)) if len(values) else torch.zeros(0)
+
+    train = flat(train_log_probs)
+    rollout = None if rollout_log_probs is None else flat(rollout_log_probs)
+    mask = flat(loss_masks).to(train.device)
+    cu_seqlens = torch.tensor([0, *response_lengths], dtype=torch.long, device=train.device).cumsum(0)
+    weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,
+                                           loss_mask=mask, cu_seqlens=cu_seqlens)
+    if weights is not None:
+        weighted = pg_loss * weights.to(pg_loss.dtype)
+        # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
+        pg_loss = torch.where(kept_mask != 0, weighted, torch.zeros_like(weighted))
+    return pg_loss, list(kept_mask.split_with_sizes([int(n) for n in response_lengths])), metrics
+
+
+def _packed_config(args: argparse.Namespace, path: Any, cp: distributed.Group, parallel_state: Any) -> Any:
+    """The MisConfig of a call of the packed entry point, after refusing what it cannot do: CP shards, and a
+    data-parallel scope (``*_scope: dp``, which the packed entry point cannot exchange) over more than one DP
+    rank."""
+    from .config import MisConfig
+
+    if cp.size > 1:
+        raise ValueError(packed_cp_message(path, cp.size))
+    config = MisConfig.from_args(args)
+    dp_keys = [key for key, value in config.to_dict().items() if key.endswith("_scope") and value == "dp"]
+    if dp_keys and config.use_tis:
+        try:
+            dp_size = distributed.resolve_dp_group(parallel_state).size
+        except ValueError:
+            dp_size = None  # a distributed host whose DP group cannot be seen
+        if dp_size != 1:
+            setting = ", ".join(f"{key}: dp" for key in dp_keys)
+            raise ValueError(f"--custom-tis-function-path {path!s}: compute_mis_weights_packed corrects each "
+                             f"micro-batch alone, but {setting} asks for the data-parallel group "
+                             f"({'not visible' if dp_size is None else f'{dp_size} ranks'}): use "
+                             "miles_mis.compute_mis_weights_with_cp, or micro_batch")
+    return config
+
+
 def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: Sequence[Tensor],
-                   cp: distributed.Group) -> SimpleNamespace:
+                   cp: distributed.Group, parallel_state: Any = None) -> SimpleNamespace:
     """Everything a rank computes from its own batch before any collective (errors are agreed on)."""
+    function = packed_config = None
+    if args.use_tis or args.get_mismatch_metrics:
+        path = args.custom_tis_function_path
+        function = load_function(path) if path else vanilla_tis
+        if is_packed_entry(function):  # refused under CP here, so that every rank raises together
+            packed_config = _packed_config(args, path, cp, parallel_state)
     response_lengths = [int(n) for n in batch["response_lengths"]]
     total_lengths = [int(n) for n in batch["total_lengths"]]
     loss_masks = list(batch["loss_masks"])
@@ -543,7 +721,8 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
     advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
     ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
-    return SimpleNamespace(response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
+    return SimpleNamespace(function=function, packed_config=packed_config,
+                           response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
                            max_seq_lens=max_seq_lens, positions=positions, seq_index=seq_index, active=active,
                            denominators=denominators, reduce=reduce, rollout=rollout, old=old,
                            trainer_scored=trainer_scored, current=current, advantages=advantages, ppo_kl=ppo_kl)

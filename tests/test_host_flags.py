@@ -154,7 +154,9 @@ def test_host_flag_keys_of_the_config_match_the_parser():
     from miles_mis.config import HOST_FLAG_KEYS
 
     dests = {action.dest for action in host.build_parser()._actions} - {"help"}
-    assert HOST_FLAG_KEYS == dests - {"use_tis", "custom_config_path"}
+    # --mis-set is the command line's way to set config keys: a config file cannot hold it
+    assert host.COMMAND_LINE_ONLY == {"mis_set"}
+    assert HOST_FLAG_KEYS == dests - {"use_tis", "custom_config_path", "mis_set"}
 
 
 # ---------------------------------------------------------------- a host's own flags (the lab)
@@ -227,6 +229,10 @@ def test_help_shows_defaults():
     lab = " ".join(build_parser().format_help().split())
     assert "(default: 0.2)" in lab and "--steps STEPS RL steps (rollout batches), >= 0 (default: 60)" in lab and "(default: bf16)" in lab
     assert lab.count("(default: 0.2)") == 1
+    for help_text in (text, lab):
+        assert "--mis-set KEY=VALUE set one miles_mis config key" in help_text
+        assert "repeat for more keys, each once (default: None = the file's keys and the defaults)" in help_text
+        assert help_text.count("(default: None = the file's keys") == 1
 
 
 # ---------------------------------------------------------------- `miles-mis ... | head`
@@ -290,3 +296,170 @@ def test_miles_mis_keys_without_a_correction_function_are_an_error(tmp_path):
     args = host.parse_args(["--use-tis", "--custom-config-path", str(config), "--custom-tis-function-path",
                             "miles_mis.compute_mis_weights_with_cp"])
     assert args.tis_mode == "mask"
+
+
+# ---------------------------------------------------------------- --mis-set KEY=VALUE
+AUTO_LANDED = "tis_auto_target_ess" in __import__("miles_mis").MisConfig.keys()
+WITH_PLUGIN = ("--use-tis", "--custom-tis-function-path", PLUGIN)
+
+
+def mis_set(*items, flags=WITH_PLUGIN):
+    return host.parse_args([*flags, *(part for item in items for part in ("--mis-set", item))])
+
+
+def mis_set_error(*items, flags=WITH_PLUGIN):
+    with pytest.raises(ValueError) as info:
+        mis_set(*items, flags=flags)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("item, attribute, given, effective", [
+    ("rs_batch_gate={k3: 0.05}", "rs_batch_gate", {"k3": 0.05}, (("k3", 0.05),)),
+    ("rs_batch_gate={max_abs_log_ratio: 3, k3: 0.05}", "rs_batch_gate", {"max_abs_log_ratio": 3, "k3": 0.05},
+     (("k3", 0.05), ("max_abs_log_ratio", 3.0))),
+    ("rs_batch_gate=", "rs_batch_gate", None, ()),  # an empty value is YAML's null: off
+    ("rs_batch_gate_scope=dp", "rs_batch_gate_scope", "dp", "dp"),
+    ("metrics_low_prob_threshold=0.05", "metrics_low_prob_threshold", 0.05, 0.05),
+    ("rs_veto_threshold=1e-4", "rs_veto_threshold", "1e-4", 1e-4),  # YAML 1.1 reads 1e-4 as a string, as in a file
+    ("tis_mode=clip", "tis_mode", "clip", "clip"),
+    ("rs_divergence={seq_mean_k1: [0.999, 1.001]}", "rs_divergence", {"seq_mean_k1": [0.999, 1.001]},
+     (("seq_mean_k1", 0.999, 1.001),)),
+    ("use_tis=false", "use_tis", False, False),  # as the file's use_tis: overrides the --use-tis flag
+    (" tis_level = sequence", "tis_level", "sequence", "sequence"),  # the key is stripped, YAML strips the value
+])
+def test_mis_set_value_is_read_as_yaml_and_checked_by_misconfig(item, attribute, given, effective):
+    from miles_mis import MisConfig
+
+    args = mis_set(item)
+    assert getattr(args, attribute) == given and type(getattr(args, attribute)) is type(given)
+    assert getattr(MisConfig.from_args(args), attribute) == effective
+
+
+@pytest.mark.skipif(not AUTO_LANDED, reason="tis_upper_bound: auto is not in MisConfig yet")
+def test_mis_set_turns_on_the_adaptive_bound():
+    from miles_mis import MisConfig
+
+    args = mis_set("tis_upper_bound=auto", "tis_auto_target_ess=0.8", "tis_auto_bounds=[1.5, 10]")
+    config = MisConfig.from_args(args)
+    assert (config.tis_upper_bound, config.tis_auto_target_ess, tuple(config.tis_auto_bounds)) == ("auto", 0.8,
+                                                                                                    (1.5, 10.0))
+    message = mis_set_error("tis_upper_bound=auto", "tis_auto_target_ess=1.5")
+    assert message.startswith("--mis-set tis_auto_target_ess=1.5 is invalid") and "(0, 1]" in message
+
+
+def test_mis_set_overrides_the_config_file_key(tmp_path):
+    from miles_mis import MisConfig
+
+    path = tmp_path / "mis.yaml"
+    path.write_text("tis_mode: clip\ntis_lower_bound: 0.5\nrs_batch_gate: {k3: 0.05}\n")
+    for argv in (["--custom-config-path", str(path), "--mis-set", "tis_mode=mask"],
+                 ["--mis-set", "tis_mode=mask", "--custom-config-path", str(path)]):  # the order of the flags
+        config = MisConfig.from_args(host.parse_args([*WITH_PLUGIN, *argv]))
+        assert (config.tis_mode, config.tis_lower_bound, config.rs_batch_gate) == ("mask", 0.5, (("k3", 0.05),))
+    args = host.parse_args([*WITH_PLUGIN, "--custom-config-path", str(path), "--mis-set", "rs_batch_gate=null"])
+    assert MisConfig.from_args(args).rs_batch_gate == ()  # the file's gate turned off from the command line
+    # a valid file key overridden by an invalid value: the error names --mis-set, not the file
+    path.write_text("tis_mode: clip\n")
+    message = mis_set_error("tis_mode=trunc", flags=(*WITH_PLUGIN, "--custom-config-path", str(path)))
+    assert message == ("--mis-set tis_mode='trunc' is invalid (did you mean 'truncate'?): allowed values are "
+                       "truncate, clip, mask, icepop")
+    # a cross-key error between a file key and a --mis-set key names both
+    path.write_text("tis_mode: clip\ntis_lower_bound: 0.5\n")
+    message = mis_set_error("tis_upper_bound=0.4", flags=(*WITH_PLUGIN, "--custom-config-path", str(path)))
+    assert message == (f"--mis-set tis_upper_bound (with the keys of {path}): tis_lower_bound=0.5 must be smaller than "
+                       "tis_upper_bound=0.4: allowed values are 0 < lower < upper")
+
+
+KEYS = "use_tis, use_rs, tis_level"  # the start of the allowed-keys list (MisConfig.keys() order)
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["tis_mode"], "--mis-set 'tis_mode' is invalid: expected KEY=VALUE with an '=' (e.g. --mis-set tis_mode=clip, "
+                   "--mis-set 'rs_batch_gate={k3: 0.05}')"),
+    (["=clip"], "--mis-set '=clip' is invalid: the key before '=' is empty: expected KEY=VALUE (e.g. --mis-set "
+                "tis_mode=clip, --mis-set 'rs_batch_gate={k3: 0.05}')"),
+    (["tis_mod=clip"], f"--mis-set tis_mod: unknown key 'tis_mod' (did you mean 'tis_mode'?); allowed keys: the "
+                       f"miles_mis config keys ({KEYS}"),
+    (["rs_batch_gat={k3: 0.05}"], "--mis-set rs_batch_gat: unknown key 'rs_batch_gat' (did you mean 'rs_batch_gate'?)"),
+    (["eps_clip=0.3"], "--mis-set eps_clip: 'eps_clip' is not a miles_mis config key but the flag --eps-clip: "
+                       "give that flag instead"),
+    (["tis_mode=trunc"], "--mis-set tis_mode='trunc' is invalid (did you mean 'truncate'?): allowed values are "
+                         "truncate, clip, mask, icepop"),
+    (["rs_batch_gate={k4: 0.05}"], "--mis-set rs_batch_gate: unknown statistic 'k4'; allowed statistics: k3, kl, "
+                                   "max_abs_log_ratio"),
+    (["rs_batch_gate={k3: -1}"], "--mis-set rs_batch_gate.k3=-1 is invalid: allowed values are finite positive "
+                                 "numbers"),
+    (["rs_batch_gate=0.05"], "--mis-set rs_batch_gate=0.05 is invalid: allowed values are null or a mapping from "
+                             "statistic (k3, kl, max_abs_log_ratio) to a threshold, e.g. {k3: 0.05}"),
+    (["rs_batch_gate={k3: 0.05"], "--mis-set rs_batch_gate: '{k3: 0.05' is not a YAML value (expected ',' or '}', but "
+                                  "got '<stream end>' at character 10): quote the whole KEY=VALUE for the shell"),
+    (["rs_batch_gate={k3: 1, k3: 2}"], "--mis-set rs_batch_gate: '{k3: 1, k3: 2}' is not a YAML value (duplicate key "
+                                       "'k3' (first at line 1) at character 9)"),
+    (["rs_batch_gate_scope=global"], "--mis-set rs_batch_gate_scope='global' is invalid: allowed values are "
+                                     "micro_batch, dp"),
+    (["metrics_low_prob_threshold=1.5"], "--mis-set metrics_low_prob_threshold=1.5 is invalid: allowed values are "
+                                         "probabilities in (0, 1)"),
+    (["use_tis=maybe"], "--mis-set use_tis (--use-tis): 'maybe' is invalid: --use-tis is a switch, allowed values are "
+                        "the YAML booleans true or false (unquoted)"),
+    (["tis_mode=clip", "tis_mode=mask"], "--mis-set tis_mode is given twice: give each key once"),
+])
+def test_mis_set_errors_are_one_line_naming_the_key(items, expected):
+    message = mis_set_error(*items)
+    assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize("key, text, core", [
+    ("tis_mode", "trunc", "tis_mode='trunc' is invalid (did you mean 'truncate'?): allowed values are truncate, clip, "
+                          "mask, icepop"),
+    ("rs_batch_gate", "{k4: 0.05}", "rs_batch_gate: unknown statistic 'k4'"),
+    ("rs_batch_gate", "{k3: 0}", "rs_batch_gate.k3=0 is invalid: allowed values are finite positive numbers"),
+    ("rs_batch_gate_scope", "dpp", "rs_batch_gate_scope='dpp' is invalid (did you mean 'dp'?)"),
+    ("metrics_low_prob_threshold", "0", "metrics_low_prob_threshold=0 is invalid: allowed values are finite positive"),
+    ("tis_bounds", "0.5_2", "tis_bounds: 0.5_2 is invalid: YAML reads an unquoted 0.5_2 as the number 0.52"),
+    ("use_tis", "'yes'", "'yes' is invalid: --use-tis is a switch, allowed values are the YAML booleans true or false"),
+])
+def test_mis_set_and_the_config_file_give_the_same_error(tmp_path, key, text, core):
+    file_message, path = yaml_error(tmp_path, f"{key}: {text}\n", *WITH_PLUGIN)
+    flag_message = mis_set_error(f"{key}={text}")
+    assert core in file_message and core in flag_message
+    assert file_message.startswith(f"{path}: ") and flag_message.startswith(f"--mis-set {key}")
+    # the same words after the prefix that names where the value comes from
+    assert file_message[file_message.index(core):] == flag_message[flag_message.index(core):]
+
+
+def test_mis_set_without_a_correction_function_is_an_error_like_the_file_key(tmp_path):
+    message = mis_set_error("tis_mode=mask", flags=("--use-tis",))
+    assert message == ("--mis-set tis_mode is a miles_mis config key, but no --custom-tis-function-path is given, so "
+                       "the built-in TIS would silently ignore it: add --custom-tis-function-path "
+                       "miles_mis.compute_mis_weights_with_cp (flag or YAML key)")
+    file_message, path = yaml_error(tmp_path, "tis_mode: mask\n", "--use-tis")
+    assert file_message == f"{path}: key 'tis_mode'" + message[len("--mis-set tis_mode"):]
+    # the function named in the file counts, as for the file's own keys
+    path.write_text(f"custom_tis_function_path: {PLUGIN}\n")
+    args = host.parse_args(["--use-tis", "--custom-config-path", str(path), "--mis-set", "tis_mode=mask"])
+    assert args.tis_mode == "mask"
+
+
+def test_mis_set_use_tis_is_named_in_flag_combination_errors():
+    message = mis_set_error("use_tis=true", flags=("--use-rollout-logprobs", "--custom-tis-function-path", PLUGIN))
+    assert "mutually exclusive" in message and message.endswith("(flags and --mis-set use_tis together)")
+
+
+def test_mis_set_in_a_config_file_is_an_error(tmp_path):
+    message, path = yaml_error(tmp_path, "mis_set: [tis_mode=clip]\n", *WITH_PLUGIN)
+    assert message == (f"{path}: key 'mis_set' (--mis-set) is a command-line flag only: set the keys it would set "
+                       "directly in this file (KEY: VALUE)")
+
+
+def test_lab_mis_set_reaches_the_lab_args_and_its_errors_are_one_line(tmp_path):
+    from miles_mis.lab.train import parse_args
+
+    args = parse_args([*WITH_PLUGIN, "--mis-set", "rs_batch_gate={k3: 0.05}", "--mis-set",
+                       "metrics_low_prob_threshold=0.05"])
+    assert args.rs_batch_gate == {"k3": 0.05} and args.metrics_low_prob_threshold == 0.05
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", *WITH_PLUGIN, "--mis-set", "tis_mod=clip"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("error: --mis-set tis_mod: unknown key 'tis_mod' (did you mean 'tis_mode'?)")

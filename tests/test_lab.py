@@ -157,3 +157,81 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     lab(tmp_path, "--wandb-project", "miles-mis-test", steps=2, name="wb")
     assert any((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+
+
+# ---------------------------------------------------------------- issue 11 features from the lab's flags
+PLUGIN_FLAGS = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+
+
+def test_mis_set_batch_gate_gates_every_micro_batch_and_leaves_the_weights(tmp_path):
+    # k3 of a bf16 engine is ~1e-5 per token: a 1e-9 gate fires on every micro-batch, so no RL step moves the model
+    history = lab(tmp_path, *PLUGIN_FLAGS, "--mis-set", "rs_batch_gate={k3: 1e-9}", "--save-interval", "1",
+                  "--rollout-dtype", "bf16", steps=2, name="gated")
+    assert len(history) == 2
+    for row in history:
+        assert row["mis_batch_gated"] == 1.0  # per micro-batch: 1 on every sequence, averaged over both minibatches
+        assert row["grad_norm"] == 0.0 and row["loss"] == 0.0
+        assert row["mis_batch_k3"] > 1e-9  # the statistic that fired, reported every call
+    # the checkpoint after 2 RL steps holds exactly the warm-started model (seed 0, 10 SFT steps, as train() builds it)
+    from miles_mis.lab.train import warm_start
+
+    torch.manual_seed(0)
+    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * 6 + 4))
+    warm_start(model, 10, 6, 0)
+    saved = torch.load(tmp_path / "gated" / "checkpoint.pt", weights_only=True)["model"]
+    assert saved.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    # with a threshold the batch stays below, the same run trains
+    ungated = lab(tmp_path, *PLUGIN_FLAGS, "--mis-set", "rs_batch_gate={k3: 1.0}", "--rollout-dtype", "bf16", steps=1,
+                  name="ungated")
+    assert ungated[0]["grad_norm"] > 0 and ungated[0]["mis_batch_gated"] == 0.0
+
+
+def test_packed_entry_point_in_the_lab_equals_the_list_entry_point(tmp_path, repo_root):
+    flags = ["--use-tis", "--custom-config-path", str(repo_root / "configs" / "seq_mis.yaml"),
+             "--rollout-dtype", "bf16", "--rollout-logit-noise", "0.3"]  # noise: sequences leave [0.5, 2], rejected
+    runs = [lab(tmp_path, *flags, "--custom-tis-function-path", f"miles_mis.{name}", steps=2, name=name)
+            for name in ("compute_mis_weights_with_cp", "compute_mis_weights_packed")]
+    listed, packed = runs
+    assert any(row["mis_tis_mask_fraction_low"] + row["mis_tis_mask_fraction_high"] > 0 for row in listed)
+    for a, b in zip(listed, packed):
+        assert a.keys() == b.keys() and "mis_kl" in a
+        for key in a:
+            if key != "seconds":
+                assert a[key] == b[key], (a["step"], key)
+
+
+@pytest.mark.skipif("tis_auto_target_ess" not in __import__("miles_mis").MisConfig.keys(),
+                    reason="tis_upper_bound: auto is not in MisConfig yet")
+def test_mis_set_adaptive_upper_bound_reports_the_bound_it_used(tmp_path):
+    history = lab(tmp_path, *PLUGIN_FLAGS, "--mis-set", "tis_upper_bound=auto", "--mis-set",
+                  "tis_auto_bounds=[1.5, 8]", "--rollout-dtype", "bf16", steps=2, name="auto")
+    for row in history:
+        assert 1.5 <= row["mis_tis_upper_bound_effective"] <= 8.0
+
+
+def test_torchrun_cp2_with_mis_set_equals_cp1(tmp_path):
+    # the --mis-set keys reach every rank: the gate's decision and the low-probability metric are CP-exact
+    flags = [*PLUGIN_FLAGS, "--mis-set", "rs_batch_gate={k3: 1e-9}", "--mis-set", "metrics_low_prob_threshold=0.3",
+             "--rollout-dtype", "fp32", "--rollout-logit-noise", "0.2", "--steps", "2", "--quiet",
+             "--prompts-per-step", "4", "--sft-steps", "10"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, "-m", "miles_mis.lab", "train", *flags, "--out-dir", str(tmp_path / "cp1")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "miles_mis.lab", "train", *flags,
+                          "--context-parallel-size", "2", "--out-dir", str(tmp_path / "cp2")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    single, sharded = read(tmp_path / "cp1" / "metrics.jsonl"), read(tmp_path / "cp2" / "metrics.jsonl")
+    assert len(sharded) == 2
+    for a, b in zip(single, sharded):
+        # (the host's metrics under CP are per-rank partial means, summed: 1 up to float32 rounding)
+        assert a["mis_batch_gated"] == 1.0 and b["mis_batch_gated"] == pytest.approx(1.0, abs=1e-6)
+        assert a["grad_norm"] == b["grad_norm"] == 0.0
+        assert a["mis_low_rollout_prob_token_fraction"] > 0
+        for key in a:
+            if key != "seconds":
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
