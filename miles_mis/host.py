@@ -531,7 +531,7 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     # fail together: a rank whose batch is bad tells its CP peers (one fixed-size exchange) before anyone
     # enters the OPSM or plugin collectives, and every rank raises the same error
     try:
-        prepared, error = _prepare_batch(args, batch, log_probs, cp, parallel_state), None
+        prepared, error = _prepare_batch(args, batch, log_probs, cp), None
     except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
         prepared, error = None, failure
     if cp.size > 1:
@@ -629,10 +629,9 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     return pg_loss, list(kept_mask.split_with_sizes([int(n) for n in response_lengths])), metrics
 
 
-def _packed_config(args: argparse.Namespace, path: Any, cp: distributed.Group, parallel_state: Any) -> Any:
+def _packed_config(args: argparse.Namespace, path: Any, cp: distributed.Group) -> Any:
     """The MisConfig of a call of the packed entry point, after refusing what it cannot do: CP shards, and a
-    data-parallel scope (``*_scope: dp``, which the packed entry point cannot exchange) over more than one DP
-    rank."""
+    data-parallel scope (``*_scope: dp``: the packed entry point takes no DP group to exchange over)."""
     from .config import MisConfig
 
     if cp.size > 1:
@@ -640,28 +639,22 @@ def _packed_config(args: argparse.Namespace, path: Any, cp: distributed.Group, p
     config = MisConfig.from_args(args)
     dp_keys = [key for key, value in config.to_dict().items() if key.endswith("_scope") and value == "dp"]
     if dp_keys and config.use_tis:
-        try:
-            dp_size = distributed.resolve_dp_group(parallel_state).size
-        except ValueError:
-            dp_size = None  # a distributed host whose DP group cannot be seen
-        if dp_size != 1:
-            setting = ", ".join(f"{key}: dp" for key in dp_keys)
-            raise ValueError(f"--custom-tis-function-path {path!s}: compute_mis_weights_packed corrects each "
-                             f"micro-batch alone, but {setting} asks for the data-parallel group "
-                             f"({'not visible' if dp_size is None else f'{dp_size} ranks'}): use "
-                             "miles_mis.compute_mis_weights_with_cp, or micro_batch")
+        setting = ", ".join(f"{key}: dp" for key in dp_keys)
+        raise ValueError(f"--custom-tis-function-path {path!s}: compute_mis_weights_packed corrects each "
+                         f"micro-batch alone, but {setting} asks for the data-parallel group: use "
+                         "miles_mis.compute_mis_weights_with_cp, or micro_batch")
     return config
 
 
 def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: Sequence[Tensor],
-                   cp: distributed.Group, parallel_state: Any = None) -> SimpleNamespace:
+                   cp: distributed.Group) -> SimpleNamespace:
     """Everything a rank computes from its own batch before any collective (errors are agreed on)."""
     function = packed_config = None
     if args.use_tis or args.get_mismatch_metrics:
         path = args.custom_tis_function_path
         function = load_function(path) if path else vanilla_tis
         if is_packed_entry(function):  # refused under CP here, so that every rank raises together
-            packed_config = _packed_config(args, path, cp, parallel_state)
+            packed_config = _packed_config(args, path, cp)
     response_lengths = [int(n) for n in batch["response_lengths"]]
     total_lengths = [int(n) for n in batch["total_lengths"]]
     loss_masks = list(batch["loss_masks"])

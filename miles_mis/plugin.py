@@ -84,6 +84,7 @@ def compute_mis_weights(
     name -> list of per-sequence tensors). ``args`` may be a Namespace or a ``MisConfig``.
     """
     config = MisConfig.from_args(args)
+    _refuse_dp_scopes(config, "compute_mis_weights")
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks)
     correction = _correct_whole_sequences(packed.batch, config)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
@@ -110,11 +111,25 @@ def compute_mis_weights_packed(
     ``InputError`` (a ``ValueError``) naming what is wrong (docs/contract.md).
     """
     config = MisConfig.from_args(config)
+    _refuse_dp_scopes(config, "compute_mis_weights_packed")
     batch = pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
     return correction.weights, _zero_rejected(batch.loss_mask, correction.token_keep), correction.metrics
+
+
+def _refuse_dp_scopes(config: MisConfig, entry: str) -> None:
+    """The single-process entry points have no data-parallel group: a dp scope would silently act per
+    micro-batch, so it is an error naming the key."""
+    scopes = _dp_scopes(config)
+    keys = [key for key, used in (("tis_batch_normalize_scope", scopes.normalize),
+                                  ("rs_batch_gate_scope", scopes.gate),
+                                  ("tis_auto_scope", scopes.token_bound or scopes.seq_bound)) if used]
+    if keys:
+        raise ValueError(f"{', '.join(f'{key}: dp' for key in keys)} needs the data-parallel group, which {entry} "
+                         "does not take (it runs on one process's micro-batch): use micro_batch, or "
+                         "compute_mis_weights_with_cp with parallel_state")
 
 
 def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core.Correction:

@@ -180,3 +180,18 @@ def test_through_the_host_from_a_yaml_file(tmp_path):
     base = expected_ppo_grad([1.0] * 5, ADVS, 5)
     torch.testing.assert_close(grad, torch.tensor([min(math.exp(g), upper) * b for g, b in zip(rollout_gaps, base)]))
     assert "adaptive bound (ESS ≥ 0.8" in describe_config(dict(MisConfig.from_yaml(config).to_dict(), use_tis=True))
+
+
+@pytest.mark.parametrize("key, values", [
+    ("tis_auto_scope", dict(tis_upper_bound="auto", tis_auto_scope="dp")),
+    ("tis_batch_normalize_scope", dict(tis_batch_normalize=True, tis_batch_normalize_scope="dp")),
+    ("rs_batch_gate_scope", dict(rs_batch_gate={"k3": 1.0}, rs_batch_gate_scope="dp")),
+])
+def test_single_process_entry_points_refuse_a_dp_scope(key, values):
+    """Without a data-parallel group a dp scope would silently act per micro-batch: an error naming the key."""
+    config = MisConfig(use_tis=True, **values)
+    train, rollout, masks = random_batch(0)
+    with pytest.raises(ValueError, match=f"^{key}: dp needs the data-parallel group, which compute_mis_weights "):
+        compute_mis_weights(config, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+    with pytest.raises(ValueError, match=f"^{key}: dp needs the data-parallel group, which compute_mis_weights_packed"):
+        _packed(config, [0.0, 0.1], [2])

@@ -152,21 +152,20 @@ def test_lab_refuses_the_packed_entry_with_context_parallelism():
         parse_args(["--use-tis", "--custom-tis-function-path", PACKED, "--context-parallel-size", "2"])
 
 
-def test_a_data_parallel_scope_over_several_dp_ranks_is_refused():
+def test_a_data_parallel_scope_is_refused():
+    """The packed entry point takes no DP group: a dp scope is refused (with any number of DP ranks), never
+    silently computed per micro-batch."""
     batch, current = rejection_batch()
     single_cp = SimpleNamespace(rank=0, size=1, group=None)
     for flags in (["--mis-set", "rs_batch_gate={k3: 0.5}", "--mis-set", "rs_batch_gate_scope=dp"],
-                  ["--mis-set", "tis_batch_normalize=true", "--mis-set", "tis_batch_normalize_scope=dp"]):
+                  ["--mis-set", "tis_batch_normalize=true", "--mis-set", "tis_batch_normalize_scope=dp"],
+                  ["--mis-set", "tis_upper_bound=auto", "--mis-set", "tis_auto_scope=dp"]):
         args = host_args(PACKED, *flags)
-        state = SimpleNamespace(cp=single_cp, dp=SimpleNamespace(rank=0, size=2, group=None))
-        with pytest.raises(ValueError, match=r"compute_mis_weights_packed corrects each micro-batch alone, but "
-                                             r"\w+_scope: dp asks for the data-parallel group \(2 ranks\)"):
-            host.policy_loss(args, batch, current, parallel_state=state)
-        # one DP rank: the dp scope is the micro-batch, as the list entry point computes it
-        state = SimpleNamespace(cp=single_cp, dp=SimpleNamespace(rank=0, size=1, group=None))
-        loss_p, metrics_p = host.policy_loss(args, batch, current, parallel_state=state)
-        loss_l, metrics_l = host.policy_loss(host_args(LIST, *flags), batch, current, parallel_state=state)
-        assert torch.equal(loss_p, loss_l) and metrics_p.keys() == metrics_l.keys()
+        for dp_size in (1, 2):
+            state = SimpleNamespace(cp=single_cp, dp=SimpleNamespace(rank=0, size=dp_size, group=None))
+            with pytest.raises(ValueError, match=r"compute_mis_weights_packed corrects each micro-batch alone, but "
+                                                 r"\w+_scope: dp asks for the data-parallel group: use"):
+                host.policy_loss(args, batch, current, parallel_state=state)
 
 
 def _cp2_worker(rank, size):
