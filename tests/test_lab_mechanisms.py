@@ -132,3 +132,45 @@ def test_reverse_task_targets_and_rewards():
     assert task.target(long_prompt, "reverse").numel() == 65  # the long-response case
     with pytest.raises(ValueError, match="allowed values are sort, reverse"):
         task.target(prompt, "rotate")
+
+
+# --------------------------------------------------------------------------- the lab's flags
+def _lab(tmp_path, *flags, name="run"):
+    from miles_mis.lab.train import parse_args, train
+
+    argv = ["--steps", "1", "--sft-steps", "5", "--prompts-per-step", "8", "--quiet",
+            "--out-dir", str(tmp_path / name), *flags]
+    return train(parse_args(argv))[-1]
+
+
+def test_router_replay_removes_the_routing_part_of_the_mismatch(tmp_path):
+    """Same seed, same first batch: replaying the engine's experts leaves only the arithmetic mismatch."""
+    flags = ("--moe-experts", "8", "--rollout-weight-quant", "fp8")
+    natural = _lab(tmp_path, *flags, name="natural")
+    replayed = _lab(tmp_path, *flags, "--router-replay", name="replay")
+    assert natural["routing_mismatch"] > 0.01  # the trainer's own router disagrees on some decisions
+    assert replayed["raw_k3"] < natural["raw_k3"] / 2
+
+
+def test_lab_runs_every_mechanism_with_the_adaptive_bound(tmp_path):
+    row = _lab(tmp_path, "--task", "reverse", "--num-digits", "20", "--rollout-top-p", "0.9",
+               "--rollout-top-k", "5", "--rollout-logprob-source", "processed", "--rollout-weight-quant", "fp8",
+               "--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+               "--mis-set", "tis_upper_bound=auto", "--mis-set", "tis_auto_target_ess=0.99")
+    assert row["response_length"] > 10 and 0.0 <= row["reward"] <= 1.0
+    assert 1.2 <= row["mis_tis_upper_bound_effective"] <= 20.0
+    # processed log-probs of a truncated sampler: π_rollout > π_train on the sampled tokens, so ℓ < 0 on average
+    assert row["raw_kl"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--router-replay",), "needs a MoE model"),
+    (("--moe-experts", "4", "--moe-top-k", "5"), "1 <= --moe-top-k <= --moe-experts"),
+    (("--rollout-top-p", "0"), r"--rollout-top-p in \(0, 1\]"),
+    (("--rollout-top-k", "-1"), "--rollout-top-k >= 0"),
+])
+def test_lab_flag_errors(flags, message):
+    from miles_mis.lab.train import parse_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_args(list(flags))

@@ -158,3 +158,20 @@ def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: 
         targets = s[p:]
         out.append(log_probs[i, p - 1:s.numel() - 1].gather(1, targets[:, None]).squeeze(1))
     return out
+
+
+@torch.no_grad()
+def routing_disagreement(model: TinyGPT, sequences: list[Tensor], routing: list[Tensor]) -> float:
+    """Fraction of (layer, position) routing decisions where the trainer's own float32 router picks another set
+    of experts than the engine recorded (over every position the engine ran)."""
+    lengths = [s.numel() for s in sequences]
+    padded = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        padded[i, :s.numel()] = s
+    _, own = model.forward_with_routing(padded)
+    differ = total = 0
+    for i, engine_choices in enumerate(routing):
+        mine = own[:, i, :engine_choices.shape[1]].sort(-1).values
+        differ += int((mine != engine_choices.sort(-1).values).any(-1).sum())
+        total += engine_choices.shape[0] * engine_choices.shape[1]
+    return differ / max(total, 1)

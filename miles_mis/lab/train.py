@@ -24,8 +24,8 @@ from .. import host
 from ..layout import zigzag_layout
 from . import task
 from .dump import PolicyLossDumper, policy_loss_record
-from .engine import RolloutEngine
-from .model import ModelConfig, TinyGPT, sequence_log_probs
+from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS, RolloutEngine
+from .model import ModelConfig, TinyGPT, routing_disagreement, sequence_log_probs
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
@@ -40,14 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch")
     lab.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group), >= 2")
     lab.add_argument("--num-minibatches", type=int, default=2, help="optimizer steps per rollout batch")
-    lab.add_argument("--num-digits", type=int, default=6, help="digits to sort per prompt")
+    lab.add_argument("--task", choices=task.TASKS, default="sort",
+                     help="sort the digits, or reverse them (with --num-digits 64: 65-token responses)")
+    lab.add_argument("--num-digits", type=int, default=6, help="digits per prompt")
     lab.add_argument("--sft-steps", type=int, default=30,
                      help="supervised warm start before RL (the 'pretrained model'); 0 = RL from scratch")
     lab.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16",
                      help="the engine's compute dtype")
-    lab.add_argument("--rollout-weight-quant", choices=("none", "int8"), default="none",
-                     help="the engine's weight quantisation")
+    lab.add_argument("--rollout-weight-quant", choices=WEIGHT_QUANTS, default="none",
+                     help="the engine's weight quantisation (int8: symmetric per row; fp8: e4m3 with per-row scales)")
+    lab.add_argument("--rollout-top-k", type=int, default=0, help="the engine samples from the k most likely "
+                     "tokens (0 = off)")
+    lab.add_argument("--rollout-top-p", type=float, default=1.0, help="the engine samples from the smallest set "
+                     "of most likely tokens holding probability p (1 = off)")
+    lab.add_argument("--rollout-logprob-source", choices=LOGPROB_SOURCES, default="full",
+                     help="log-probs the engine reports: of the full temperature-scaled distribution (what SGLang "
+                          "and vLLM return by default) or of the truncated one it sampled from")
+    lab.add_argument("--moe-experts", type=int, default=0,
+                     help="a routed mixture of E experts per block instead of the dense MLP (0 = dense)")
+    lab.add_argument("--moe-top-k", type=int, default=2, help="experts per token, 1..--moe-experts")
+    lab.add_argument("--router-replay", action="store_true",
+                     help="the trainer reuses the engine's expert choices (R3): no routing mismatch")
     lab.add_argument("--rollout-staleness", type=int, default=1, help="engine weights synced every K steps")
     lab.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature")
     lab.add_argument("--rollout-logit-noise", type=float, default=0.0,
@@ -76,17 +90,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
     if args.dump_interval < 1:
         raise ValueError(f"--dump-interval must be >= 1, got {args.dump_interval}")
+    if args.moe_experts < 0 or (args.moe_experts and not 1 <= args.moe_top_k <= args.moe_experts):
+        raise ValueError(f"--moe-experts {args.moe_experts} --moe-top-k {args.moe_top_k}: allowed values are "
+                         "--moe-experts >= 0 (0 = dense) and 1 <= --moe-top-k <= --moe-experts")
+    if args.router_replay and not args.moe_experts:
+        raise ValueError("--router-replay needs a MoE model (--moe-experts E > 0): a dense model has no router")
+    if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
+        raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
+                         "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
     return args
 
 
 # --------------------------------------------------------------------------- pieces
-def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3) -> None:
+def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3, kind: str = "sort") -> None:
     """Teacher-forced cross-entropy on the task: the 'pretrained model' RL starts from."""
     generator = torch.Generator().manual_seed(10_000 + seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
         prompts = task.make_prompts(64, num_digits, generator)
-        sequences = torch.stack([torch.cat([p, task.target(p)]) for p in prompts])
+        sequences = torch.stack([torch.cat([p, task.target(p, kind)]) for p in prompts])
         logits = model(sequences[:, :-1])
         start = prompts.shape[1] - 1
         loss = torch.nn.functional.cross_entropy(logits[:, start:].reshape(-1, logits.shape[-1]),
@@ -172,13 +194,15 @@ def train(args: argparse.Namespace) -> list[dict]:
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     torch.manual_seed(args.seed)
-    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4))
+    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4,
+                                moe_experts=args.moe_experts, moe_top_k=args.moe_top_k))
     out_dir = Path(args.out_dir)
     if args.sft_steps and not args.resume:
-        warm_start(model, args.sft_steps, args.num_digits, args.seed)
+        warm_start(model, args.sft_steps, args.num_digits, args.seed, kind=args.task)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine = RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
-                           args.rollout_logit_noise, seed=args.seed + 1)
+                           args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
+                           top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
     prompt_generator = torch.Generator().manual_seed(args.seed + 2)
     history: list[dict] = []
     start_step = 0
@@ -214,7 +238,8 @@ def train(args: argparse.Namespace) -> list[dict]:
         prompts = task.make_prompts(args.prompts_per_step, args.num_digits, prompt_generator)
         prompts = prompts.repeat_interleave(args.group_size, dim=0)
         responses, rollout_log_probs = engine.generate(prompts, args.num_digits + 2)
-        rewards = torch.tensor([task.reward(p, r) for p, r in zip(prompts, responses)])
+        routing = engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
+        rewards = torch.tensor([task.reward(p, r, args.task) for p, r in zip(prompts, responses)])
         advantages = group_advantages(rewards, args.group_size)
         prompt_len = prompts.shape[1]
         sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
@@ -222,7 +247,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         total_lengths = [s.numel() for s in sequences]
         with torch.no_grad():
             old_log_probs = sequence_log_probs(model, sequences, [prompt_len] * len(sequences),
-                                               args.rollout_temperature)
+                                               args.rollout_temperature, routing)
         # raw mismatch of this batch (every algorithm): π_old (trainer) against π_rollout
         raw = torch.cat([o - r for o, r in zip(old_log_probs, rollout_log_probs)])
         ratio = raw.clamp(-20, 20).exp()
@@ -231,7 +256,10 @@ def train(args: argparse.Namespace) -> list[dict]:
             "exact_match": float((rewards == 1.0).float().mean()),
             "response_length": sum(response_lengths) / len(response_lengths),
             "raw_kl": float(-raw.mean()), "raw_ess": float(ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())),
+            "raw_k3": float((ratio - raw - 1.0).clamp(min=0.0).mean()),
         }
+        if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
+            row["routing_mismatch"] = routing_disagreement(model, sequences, engine.last_routing)
 
         order = torch.randperm(len(sequences))
         minibatches = order.chunk(args.num_minibatches)
@@ -241,7 +269,8 @@ def train(args: argparse.Namespace) -> list[dict]:
             seqs = [sequences[i] for i in idx]
             totals = [total_lengths[i] for i in idx]
             resp = [response_lengths[i] for i in idx]
-            current_full = sequence_log_probs(model, seqs, [prompt_len] * len(seqs), args.rollout_temperature)
+            current_full = sequence_log_probs(model, seqs, [prompt_len] * len(seqs), args.rollout_temperature,
+                                              None if routing is None else [routing[i] for i in idx])
             shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
             batch = {
                 "advantages": shard([torch.full((resp[k],), float(advantages[i])) for k, i in enumerate(idx)]),
