@@ -10,7 +10,7 @@ import torch
 from cp_harness import free_port
 
 from miles_mis.lab import task
-from miles_mis.lab.demo import ALGORITHMS, run_algorithm
+from miles_mis.lab.demo import ALGORITHMS, DEMO_ALGORITHMS, run_algorithm
 from miles_mis.lab.engine import RolloutEngine, quantize_int8
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
 from miles_mis.lab.train import group_advantages, parse_args, train
@@ -81,7 +81,7 @@ def test_demo_writes_its_files(tmp_path):
     out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "demo", "--steps", "2", "--out-dir",
                           str(tmp_path / "demo")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    for name in ALGORITHMS:
+    for name in DEMO_ALGORITHMS:
         assert len(read(tmp_path / "demo" / name / "metrics.jsonl")) == 2
         assert (tmp_path / "demo" / name / "mis.yaml").exists()
     assert (tmp_path / "demo" / "summary.md").read_text().count("|") > 20

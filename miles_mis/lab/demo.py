@@ -19,13 +19,20 @@ from .train import PLUGIN, parse_args, train
 DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "int8", "--rollout-staleness", "4", "--lr", "3e-3"]
 DEFAULT_STEPS = 150
 
+# every algorithm the lab compares: host flags, and the miles_mis config written to the run's mis.yaml
 ALGORITHMS = {
     "standard": (["--get-mismatch-metrics"], {}),
     "bypass": (["--use-rollout-logprobs", "--get-mismatch-metrics"], {}),
     "decoupled_tis": (["--use-tis"], {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}),
     "seq_mis": (["--use-tis"], {"tis_level": "sequence", "tis_mode": "mask", "tis_lower_bound": 0.5,
                                 "tis_upper_bound": 2.0}),
+    "geo_rs": (["--use-tis"], {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0,
+                               "rs_divergence": {"seq_mean_k1": [0.999, 1.001]}, "rs_veto_threshold": 1e-4}),
+    "icepop": (["--use-tis"], {"tis_level": "token", "tis_mode": "icepop", "tis_lower_bound": 0.5,
+                               "tis_upper_bound": 2.0}),
+    "adaptive_tis": (["--use-tis"], {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": "auto"}),
 }
+DEMO_ALGORITHMS = ("standard", "bypass", "decoupled_tis", "seq_mis")  # the demo's four runs
 
 
 def run_algorithm(name: str, setting: list[str], seed: int, steps: int, out_dir: Path, quiet: bool = True,
@@ -105,7 +112,7 @@ def demo(out_dir: Path, steps: int, seed: int, setting: list[str]) -> int:
     print(f"mismatch lab demo: sort-digits GRPO, seed {seed}, {steps} steps, engine setting: {description}",
           file=sys.stderr)
     histories = {}
-    for name in ALGORITHMS:
+    for name in DEMO_ALGORITHMS:
         print(f"  {name} ...", file=sys.stderr, flush=True)
         histories[name] = run_algorithm(name, setting, seed, steps, out_dir / name)
     rows = {name: summarize(h) for name, h in histories.items()}
