@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import math
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
@@ -352,7 +353,11 @@ def _is_ours(function: Callable) -> bool:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Flag ranges (:data:`FLAG_RANGES`) and combinations; each error names the flags involved, and the config
-    file when one was merged (its keys count as the flags)."""
+    file when one was merged (its keys count as the flags).
+
+    One valid combination prints a one-line warning on stderr: ``--use-tis`` with ``--custom-config-path`` and no
+    ``--custom-tis-function-path`` (the built-in vanilla TIS, which reads none of the file's miles_mis keys; a file
+    holding one is an error at the merge)."""
     config_path = getattr(args, "custom_config_path", None)
     overridden = mis_set_keys(args)
     together = [f"the keys of {config_path}"] if config_path else []
@@ -384,6 +389,15 @@ def validate_args(args: argparse.Namespace) -> None:
         cp_size = getattr(args, "context_parallel_size", 1)
         if is_packed_entry(function) and isinstance(cp_size, int) and cp_size > 1:
             raise ValueError(packed_cp_message(args.custom_tis_function_path, cp_size, "--context-parallel-size"))
+    elif getattr(args, "use_tis", False) and config_path:
+        # valid but most likely not what was meant: a miles_mis key in the file was refused at the merge
+        # (convert_config_values), but a file of host flags only, or an empty one, would pass silently while the
+        # built-in TIS runs
+        print(f"warning: --use-tis with --custom-config-path {config_path} but no --custom-tis-function-path: the "
+              f"built-in vanilla TIS runs (token weights truncated to [--tis-clip-low, --tis-clip] = "
+              f"[{args.tis_clip_low:g}, {args.tis_clip:g}]) and reads no miles_mis config from the file (only its host "
+              "flags apply); add --custom-tis-function-path miles_mis.compute_mis_weights_with_cp to use miles_mis",
+              file=sys.stderr, flush=True)
 
 
 def _config_error_message(message: str, config_path: str | None, overridden: Sequence[str]) -> str:

@@ -298,6 +298,47 @@ def test_miles_mis_keys_without_a_correction_function_are_an_error(tmp_path):
     assert args.tis_mode == "mask"
 
 
+# ---------------------------------------------------------------- --use-tis + a config file, no correction function
+def builtin_tis_warning(path, clip_low=0.0, clip=2.0):
+    return (f"warning: --use-tis with --custom-config-path {path} but no --custom-tis-function-path: the built-in "
+            f"vanilla TIS runs (token weights truncated to [--tis-clip-low, --tis-clip] = [{clip_low:g}, {clip:g}]) "
+            "and reads no miles_mis config from the file (only its host flags apply); add --custom-tis-function-path "
+            "miles_mis.compute_mis_weights_with_cp to use miles_mis\n")
+
+
+@pytest.mark.parametrize("text, flags, clip", [
+    ("eps_clip: 0.3\n", ("--use-tis",), 2.0),          # host flags only: valid, but the built-in TIS runs
+    ("{}\n", ("--use-tis", "--tis-clip", "3"), 3.0),    # nothing at all
+    ("use_tis: true\ntis_clip: 1.5\n", (), 1.5),       # --use-tis from the file counts
+])
+def test_use_tis_with_a_config_file_and_no_function_warns_in_one_line(tmp_path, capsys, text, flags, clip):
+    args, path = parse_with_yaml(tmp_path, text, *flags)
+    assert args.use_tis and args.custom_tis_function_path is None and args.tis_clip == clip
+    assert capsys.readouterr() == ("", builtin_tis_warning(path, clip=clip))
+
+
+@pytest.mark.parametrize("text, flags", [
+    ("eps_clip: 0.3\n", ("--use-tis", "--custom-tis-function-path", PLUGIN)),  # miles_mis reads the file
+    (f"custom_tis_function_path: {PLUGIN}\n", ("--use-tis",)),                 # ... named in the file
+    ("eps_clip: 0.3\n", ()),                                                   # no TIS at all
+])
+def test_no_warning_when_a_function_reads_the_file_or_tis_is_off(tmp_path, capsys, text, flags):
+    parse_with_yaml(tmp_path, text, *flags)
+    assert capsys.readouterr() == ("", "")
+    host.parse_args(["--use-tis"])  # no config file: the built-in TIS is what was asked for
+    assert capsys.readouterr() == ("", "")
+
+
+def test_lab_train_prints_the_warning_as_one_line(tmp_path):
+    path = tmp_path / "flags.yaml"
+    path.write_text("eps_clip: 0.3\n")
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", "--use-tis", "--custom-config-path", str(path),
+                          "--steps", "0", "--sft-steps", "0", "--out-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr == builtin_tis_warning(path) + f"wrote {tmp_path / 'run' / 'metrics.jsonl'} (0 steps)\n"
+
+
 # ---------------------------------------------------------------- --mis-set KEY=VALUE
 AUTO_LANDED = "tis_auto_target_ess" in __import__("miles_mis").MisConfig.keys()
 WITH_PLUGIN = ("--use-tis", "--custom-tis-function-path", PLUGIN)
