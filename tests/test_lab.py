@@ -1,5 +1,6 @@
 """The mismatch lab: short real runs per algorithm, the engine's mismatch, demo files, resume, torchrun cp=2."""
 
+import io
 import json
 import os
 import subprocess
@@ -10,10 +11,12 @@ import torch
 from cp_harness import free_port
 
 from miles_mis.lab import task
-from miles_mis.lab.demo import ALGORITHMS, DEMO_ALGORITHMS, run_algorithm
+from miles_mis.lab.demo import (ALGORITHMS, DEFAULT_SETTING, DEFAULT_STEPS, DEMO_ALGORITHMS, centred_mean,
+                                figure_panels, markdown_table, per_period_mean, run_algorithm, summarize, sync_period)
 from miles_mis.lab.engine import RolloutEngine, quantize_int8
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
-from miles_mis.lab.train import group_advantages, parse_args, train
+from miles_mis.lab.train import Progress, group_advantages, parse_args, train
+from miles_mis.lab.train import main as train_main
 
 
 def read(path):
@@ -77,17 +80,115 @@ def test_task_reward_and_group_advantages():
     assert advantages[0] > 0 > advantages[1] and advantages[2:].abs().max() < 1e-5
 
 
-def test_demo_writes_its_files(tmp_path):
+def test_demo_writes_its_files(tmp_path, repo_root):
     out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "demo", "--steps", "2", "--out-dir",
                           str(tmp_path / "demo")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    demo = tmp_path / "demo"
     for name in DEMO_ALGORITHMS:
-        assert len(read(tmp_path / "demo" / name / "metrics.jsonl")) == 2
-        assert (tmp_path / "demo" / name / "mis.yaml").exists()
-    assert (tmp_path / "demo" / "summary.md").read_text().count("|") > 20
-    assert "| standard |" in out.stdout
+        assert len(read(demo / name / "metrics.jsonl")) == 2
+        for file in ("mis.yaml", "command.txt", "checkpoint.pt"):
+            assert (demo / name / file).exists(), (name, file)
+        assert (demo / name / "command.txt").read_text().startswith("miles-mis train ")
+        # per-algorithm progress on stderr (a pipe, not a terminal: plain lines, at the first step and the last)
+        lines = [line for line in out.stderr.splitlines() if line.startswith(name + " ")]
+        assert [line.split()[2] for line in lines] == ["1/2", "2/2"], out.stderr
+        assert all(" reward " in line and " k3 " in line for line in lines)
+    assert "\r" not in out.stderr and "Traceback" not in out.stderr
+    summary = (demo / "summary.md").read_text()
+    assert "One seed is an anecdote" in summary
+    link = summary.split("[docs/lab.md](")[1].split(")")[0]
+    assert (demo / link).resolve() == (repo_root / "docs" / "lab.md").resolve()
+    header = next(line for line in summary.splitlines() if line.startswith("| algorithm |"))
+    assert "| exact match (mean of last 2 steps) |" in header and "| reward (mean of last 2 steps) |" in header
+    assert "second" not in header  # wall-clock time is machine-dependent: left out
+    for name in DEMO_ALGORITHMS:
+        assert f"| {name} |" in summary and f"| {name} |" in out.stdout
+    for file in ("metrics.jsonl", "mis.yaml", "command.txt", "checkpoint.pt", "summary.md"):
+        assert file in summary and file in out.stdout
+    assert "one seed is an anecdote" in out.stdout
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "demo" / "demo.png").stat().st_size > 10_000
+    assert (demo / "demo.png").stat().st_size > 10_000 and "demo.png" in summary
+
+
+def test_summary_names_the_window_and_leaves_out_wall_clock():
+    history = [{"step": i + 1, "reward": i / 20, "exact_match": (i % 2) / 2, "raw_kl": 0.1, "raw_k3": 0.05,
+                "raw_ess": 1 - i / 100, "grad_norm": 1.0, "seconds": 3.0} for i in range(12)]
+    row = summarize(history)
+    assert row["reward (mean of last 10 steps)"] == pytest.approx(sum(range(2, 12)) / 20 / 10)
+    assert row["exact match (mean of last 10 steps)"] == pytest.approx(0.25)
+    assert row["min raw ESS"] == pytest.approx(0.89) and row["mean raw k3"] == pytest.approx(0.05)
+    assert not any("second" in column for column in row)
+    assert "| exact match (mean of last 10 steps) |" in markdown_table({"standard": row})
+
+
+def test_progress_redraws_a_bar_on_a_terminal_and_prints_lines_elsewhere():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    row = {"reward": 0.5, "raw_k3": 2.5e-3, "grad_norm": 0.3, "seconds": 2.0}
+    bar = Progress(label="bypass", stream=Terminal())
+    for step in range(1, 4):
+        bar(step, 3, row)
+    text = bar.stream.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1  # every step, one line at the end
+    assert "\rbypass [" in text and "3/3 reward 0.500 k3 2.5e-03 grad 0.30" in text
+    assert "1/3 reward 0.500 k3 2.5e-03 grad 0.30 eta 4s" in text  # 2 s per step so far, 2 steps to go
+    bar.close()
+    assert text == bar.stream.getvalue()  # the bar ended its line already
+    log = Progress(label="seq_mis", stream=io.StringIO(), every=10)
+    for step in range(1, 26):
+        log(step, 25, dict(row, routing_mismatch=0.125))
+    lines = log.stream.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["1/25", "10/25", "20/25", "25/25"]
+    assert lines[-1] == "seq_mis step 25/25 reward 0.500 k3 2.5e-03 routing 0.125 grad 0.30"
+
+
+def test_train_ends_with_a_line_naming_its_files(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--steps", "2", "--out-dir", str(out), "--prompts-per-step", "4", "--sft-steps", "2",
+            "--dump-details", str(tmp_path / "dump")]
+    assert train_main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in err[:-1]] == ["1/2", "2/2"] and all(" k3 " in line for line in err[:-1])
+    assert err[-1] == (f"wrote {out / 'metrics.jsonl'} (2 steps), {out / 'checkpoint.pt'}, 4 policy-loss dump(s) in "
+                       f"{tmp_path / 'dump' / 'policy_loss_debug'}")
+    # --quiet: the closing line only; a checkpoint an earlier run left in the directory is not claimed
+    earlier = (out / "checkpoint.pt").stat().st_mtime - 100
+    os.utime(out / "checkpoint.pt", (earlier, earlier))
+    assert train_main(["--steps", "1", "--out-dir", str(out), "--prompts-per-step", "4", "--sft-steps", "2",
+                       "--save-interval", "0", "--quiet"]) == 0
+    assert capsys.readouterr().err == f"wrote {out / 'metrics.jsonl'} (1 step)\n"
+
+
+def test_figure_smoothing_and_panels():
+    assert sync_period(DEFAULT_SETTING) == 4 and sync_period([]) == 1 and sync_period(["--rollout-staleness=3"]) == 3
+    xs, ys = per_period_mean([1, 2, 3, 4, 5, 6, 7], [0.0, 1.0, 2.0, 3.0, 0.0, 2.0, 4.0], 4)
+    assert xs == [2.5, 6.0] and ys == [1.5, 2.0]  # the last, partial period: steps 5-7
+    assert centred_mean([0.0, 3.0, 6.0, 9.0], 3) == [1.5, 3.0, 6.0, 7.5]
+    for period, stated in ((4, "mean per sync period (engine synced every 4 steps)"),
+                           (1, "centred 5-step mean (engine synced every step)")):
+        panels = figure_panels(period)
+        assert [key for key, _, _ in panels] == ["reward", "raw_k3", "raw_ess", "grad_norm"]
+        assert all(ylabel for _, _, ylabel in panels)
+        for _, title, _ in panels[1:3]:
+            assert "π_old (trainer recompute) vs π_rollout (engine)" in title and stated in title
+
+
+def test_demo_help_shows_defaults():
+    from miles_mis.lab.train import build_parser
+
+    text = " ".join(subprocess.run([sys.executable, "-m", "miles_mis.cli", "demo", "--help"], capture_output=True,
+                                   text=True, timeout=120).stdout.split())
+    for part in ["(default: runs/demo)", f"(default: {DEFAULT_STEPS})", "(default: 0)",
+                 f"(default: {' '.join(DEFAULT_SETTING)})"]:
+        assert part in text, part
+    parser = build_parser()  # every train flag shows its default
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert "%(default)" in formatter._get_help_string(action), action.option_strings
 
 
 def test_resume_continues_exactly(tmp_path):

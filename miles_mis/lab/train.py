@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --dump-details: write the calls of the steps whose number (1-based, as in "
                           "metrics.jsonl) is a multiple of N")
     lab.add_argument("--wandb-project", default=None, help="also log to W&B (WANDB_MODE=offline works)")
-    lab.add_argument("--quiet", action="store_true", help="no progress bar")
+    lab.add_argument("--quiet", action="store_true",
+                     help="no per-step progress (a bar redrawn in place on a terminal, else a plain line every 10 "
+                          "steps and at the last); the closing line naming the files written is still printed")
     return parser
 
 
@@ -188,8 +190,12 @@ def _scalar(value: Any) -> float:
 
 
 # --------------------------------------------------------------------------- the run
-def train(args: argparse.Namespace) -> list[dict]:
-    """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl)."""
+def train(args: argparse.Namespace, progress: Progress | None = None) -> list[dict]:
+    """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl).
+
+    ``progress``: what reports each step on stderr (a :class:`Progress`, e.g. with a label); default a plain
+    ``Progress()``; none under ``--quiet``.
+    """
     cp = CPContext(args.context_parallel_size)
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
@@ -230,6 +236,10 @@ def train(args: argparse.Namespace) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
     wandb_run = _wandb(args, out_dir) if writer else None
+    if args.quiet or not writer:
+        progress = None
+    elif progress is None:
+        progress = Progress()
 
     for step in range(start_step, args.steps):
         started = time.perf_counter()
@@ -307,27 +317,101 @@ def train(args: argparse.Namespace) -> list[dict]:
                 f.write(json.dumps(row) + "\n")
             if wandb_run is not None:
                 wandb_run.log(row, step=step + 1)
-            if not args.quiet:
-                _progress(step + 1, args.steps, row)
+            if progress is not None:
+                progress(step + 1, args.steps, row)
             if args.save_interval and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "engine": engine.state_dict(), "prompts": prompt_generator.get_state(),
                             "torch": torch.get_rng_state(), "history": history, "step": step + 1,
                             "policy_loss_calls": dumper.calls},
                            checkpoint_path)
-    if writer and not args.quiet:
-        print(file=sys.stderr)
+    if progress is not None:
+        progress.close()
     if wandb_run is not None:
         wandb_run.finish()
     return history
 
 
-def _progress(step: int, steps: int, row: dict) -> None:
-    width = 30
-    filled = int(width * step / max(steps, 1))
-    kl = row.get("mis_kl", row["raw_kl"])
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} reward {row['reward']:.3f} "
-          f"mis_kl {kl:.2e} grad {row['grad_norm']:.2f}", end="", file=sys.stderr, flush=True)
+class Progress:
+    """Per-step progress on stderr: ``LABEL [####....] 12/150 reward 0.712 k3 1.2e-02 grad 0.31 eta 40s``.
+
+    k3 is the step's ``raw_k3``: the batch mean of ρ − log ρ − 1 with ρ = π_old/π_rollout (the trainer's
+    recompute against the engine), the same for every algorithm. On a terminal the bar is redrawn in place
+    at every step; elsewhere (a pipe, a CI log) a plain line is printed at the first step, every ``every``
+    steps and the last, so that the output reads as a log. The stream is looked up at each call (default
+    ``sys.stderr``).
+    """
+
+    def __init__(self, label: str = "", stream: Any = None, every: int = 10, width: int = 20):
+        self.label, self._stream, self.every, self.width = label, stream, max(int(every), 1), width
+        self.elapsed, self.done, self._drawn = 0.0, 0, 0  # seconds and steps seen; length of the bar on screen
+
+    @property
+    def stream(self):
+        return self._stream if self._stream is not None else sys.stderr
+
+    def terminal(self) -> bool:
+        try:
+            return bool(self.stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            return False
+
+    def text(self, step: int, steps: int, row: dict) -> str:
+        parts = [f"{step}/{steps}", f"reward {row['reward']:.3f}", f"k3 {row['raw_k3']:.1e}"]
+        if "routing_mismatch" in row:
+            parts.append(f"routing {row['routing_mismatch']:.3f}")
+        parts.append(f"grad {row['grad_norm']:.2f}")
+        if self.done and step < steps:
+            parts.append(f"eta {_duration(self.elapsed / self.done * (steps - step))}")
+        return " ".join(parts)
+
+    def __call__(self, step: int, steps: int, row: dict) -> None:
+        self.elapsed += float(row.get("seconds", 0.0))
+        self.done += 1
+        label = f"{self.label} " if self.label else ""
+        if self.terminal():
+            filled = int(self.width * step / max(steps, 1))
+            line = f"{label}[{'#' * filled}{'.' * (self.width - filled)}] {self.text(step, steps, row)}"
+            # pad over what the previous, longer line left on screen
+            print("\r" + line.ljust(self._drawn), end="", file=self.stream, flush=True)
+            self._drawn = len(line)
+            if step >= steps:
+                self.close()
+        elif self.done == 1 or step % self.every == 0 or step >= steps:
+            print(f"{label}step {self.text(step, steps, row)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """End a bar left on screen with a newline (nothing otherwise)."""
+        if self._drawn:
+            print(file=self.stream, flush=True)
+            self._drawn = 0
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def written_files(args: argparse.Namespace, since: float = 0.0) -> str:
+    """The closing line of a run: where it wrote its files (those written at or after the time ``since``, so that
+    a checkpoint or dumps an earlier run left in the directory are not claimed)."""
+    out_dir = Path(args.out_dir)
+    fresh = lambda path: path.exists() and path.stat().st_mtime >= since  # noqa: E731
+    parts = []
+    metrics = out_dir / "metrics.jsonl"
+    if fresh(metrics):
+        with open(metrics) as f:
+            rows = sum(1 for line in f if line.strip())
+        parts.append(f"{metrics} ({rows} step{'' if rows == 1 else 's'})")
+    if fresh(out_dir / "checkpoint.pt"):
+        parts.append(str(out_dir / "checkpoint.pt"))
+    if args.dump_details is not None:
+        dumps = Path(args.dump_details) / "policy_loss_debug"
+        count = sum(1 for path in dumps.glob("rank_*_call_*.pt") if fresh(path)) if dumps.is_dir() else 0
+        parts.append(f"{count} policy-loss dump(s) in {dumps}")
+    if args.wandb_project:
+        parts.append(f"W&B files under {out_dir / 'wandb'}")
+    return f"wrote {', '.join(parts)}" if parts else f"wrote nothing under {out_dir}"
 
 
 def _wandb(args: argparse.Namespace, out_dir: Path):
@@ -343,9 +427,12 @@ def _wandb(args: argparse.Namespace, out_dir: Path):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.time() - 1.0  # file times can be coarser than time.time()
     train(args)
-    if args.context_parallel_size > 1:
-        CPContext(args.context_parallel_size).close()
+    cp = CPContext(args.context_parallel_size)  # the group train() joined (size 1: no group)
+    if cp.rank == 0:  # the last line: where the files are
+        print(written_files(args, since=started), file=sys.stderr, flush=True)
+    cp.close()
     return 0
 
 
