@@ -18,8 +18,11 @@ Compared on the same inputs, each in its host's native format (that conversion i
 
 list, packed, padded and cat+split are timed in one interleaved pass (the order rotates every round);
 per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
-after it). Also counts aten operations per call (TorchDispatchMode) of the list and the packed entry
-points at B=8 and B=512: each must be equal.
+after it). The cost of the "where the mismatch lives" location sums (miles_mis.location.local_values, via
+core.local_batch_values) is the default packed call timed with and without them, interleaved in a third
+pass: without = core.local_batch_values replaced by a function returning a zero vector of the same size
+and dtype (restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the
+packed entry points at B=8 and B=512: each must be equal.
 
     python benchmarks/bench_core.py [--repeats 15]
 """
@@ -40,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from op_count import count_aten_ops  # noqa: E402
 
-from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp, core  # noqa: E402
 from miles_mis.location import BUCKET_NAMES, POSITION_EDGES  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
@@ -306,6 +309,27 @@ def interleaved_medians_ms(*fns, repeats):
     return [statistics.median(t) * 1e3 for t in times]
 
 
+def location_share_ms(flat, repeats: int) -> tuple[float, float]:
+    """Median times of the default packed call with and without the location sums, interleaved."""
+    real = core.local_batch_values
+    seen = []
+    core.local_batch_values = lambda *args: seen.append(real(*args)) or seen[-1]
+    try:
+        ours_packed(flat)
+    finally:
+        core.local_batch_values = real
+    zeros = torch.zeros_like(seen[0])  # what the stage returns, as zeros: the rest of the call is unchanged
+
+    def without():
+        core.local_batch_values = lambda batch, terms, config: zeros
+        try:
+            return ours_packed(flat)
+        finally:
+            core.local_batch_values = real
+
+    return tuple(interleaved_medians_ms(lambda: ours_packed(flat), without, repeats=repeats))
+
+
 def count_ops(num_seqs: int) -> tuple[int, int]:
     """aten operations per call of the list and the packed entry points."""
     inputs = make_inputs(num_seqs, 64, seed=1)
@@ -346,6 +370,7 @@ def main() -> None:
     print("pad%: padding share of the B x T padded tensors; pad/pack >= 1: the packed entry is as fast as padded")
     print(f"{'B':>5} {'T':>5} {'tokens':>7} {'pad%':>4} {'list':>7} {'packed':>7} {'padded':>7} {'per-seq':>8} "
           f"{'cat+split':>9} {'list-packed':>11} {'pad/pack':>8} {'list/pack':>9} {'seq/list':>8}")
+    location_lines = []
     for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128), (4096, 64)]:
         inputs = make_inputs(num_seqs, max_len)
         lengths = inputs["response_lengths"]
@@ -365,6 +390,13 @@ def main() -> None:
               f"{t_padded:>7.2f} "
               f"{t_seq:>8.1f} {t_cat:>9.2f} {t_list - t_packed:>11.2f} {t_padded / t_packed:>7.2f}x "
               f"{t_list / t_packed:>8.2f}x {t_seq / t_list_2:>7.1f}x")
+        t_with, t_without = location_share_ms(flat, args.repeats)
+        share = 100 * (t_with - t_without) / t_with
+        location_lines.append(f"B={num_seqs:<5} T={max_len:<5} location metrics: {share:.0f}% of a default call "
+                              f"(packed {t_with:.2f} ms, {t_without:.2f} ms without them)")
+    print("where the mismatch lives (location.local_values), default packed call with and without it, interleaved "
+          "(issue target: at most 15%):")
+    print("\n".join(location_lines))
 
     inputs = make_inputs(64, 512)
     pg_loss = torch.ones(sum(inputs["response_lengths"]))

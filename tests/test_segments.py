@@ -3,6 +3,7 @@ sequences, B = 0, N = 0, given positions (CP shards), non-finite values."""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from miles_mis.segments import PackedBatch
 
 EMPTY_MAX, EMPTY_MIN = -1.0, 3.0e38
+EDGES = (0, 1, 16, 128, 1024, 8192)  # miles_mis.location.POSITION_EDGES
 
 
 def build(lengths, seed=0, positions=None):
@@ -44,6 +46,22 @@ def reference_extreme(values, lengths, reduce, empty):
     return out
 
 
+def reference_bucket_sum(values, positions, edges):
+    out = [0.0] * len(edges)
+    for value, position in zip(values.double().tolist(), positions.tolist()):
+        out[max(k for k, edge in enumerate(edges) if position >= edge)] += value
+    return out
+
+
+def check_bucket_sums(batch, values):
+    for edges in (EDGES, (0, 3), (0,), (0, 2, 5, 7)):
+        got = batch.per_bucket_sum(values, edges)
+        assert got.shape == (len(edges),) and got.dtype == torch.float32
+        want = torch.tensor(reference_bucket_sum(values, batch.positions, edges), dtype=torch.float64)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        assert got.tolist() == [0.0 if w == 0 else g for g, w in zip(got.tolist(), want.tolist())]  # empty: exact 0
+
+
 def check_batch(batch, lengths, seed=0):
     n, b = sum(lengths), len(lengths)
     assert batch.num_seqs == b
@@ -68,6 +86,7 @@ def check_batch(batch, lengths, seed=0):
     assert spread.shape == (n, 5)
     want = torch.stack([table[i] for i, k in enumerate(lengths) for _ in range(k)]) if n else torch.zeros(0, 5)
     assert torch.equal(spread, want)
+    check_bucket_sums(batch, values)
 
 
 def test_hand_case_with_empty_sequences():
@@ -104,10 +123,29 @@ def test_given_positions_are_kept():
     positions = torch.tensor([5, 6, 9, 0, 4])  # a CP shard: response positions from the zigzag layout
     batch = build(lengths, positions=positions)
     assert batch.positions.tolist() == positions.tolist() and batch.positions.dtype == torch.long
+    check_bucket_sums(batch, torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]))
+    assert batch.per_bucket_sum(torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]), (0, 1, 5, 9)).tolist() == [8.0, 16.0, 3.0, 4.0]
+
+
+def test_bucket_edges_are_checked():
+    batch = build([2, 3])
+    for edges in ((), (1, 4), (0, 4, 4), (0, 5, 2)):
+        with pytest.raises(ValueError, match="increasing, starting at 0"):
+            batch.per_bucket_sum(torch.ones(5), edges)
+
+
+def test_int64_indices_beyond_int32(monkeypatch):
+    from miles_mis import segments
+
+    monkeypatch.setattr(segments, "_INT32_MAX", 6)  # as if N > 2^31 - 1: the CSR takes int64 indices
+    lengths = [3, 0, 5, 1]
+    batch = build(lengths)
+    assert batch.segment_matrix.col_indices().dtype == torch.long
+    check_batch(batch, lengths)
 
 
 def test_long_and_short_sequences_together():
-    lengths = [5000, 1, 0, 3, 70, 0, 1]  # a long one among short ones (no padded [B, max length] blow-up)
+    lengths = [9000, 1, 0, 3, 70, 0, 1]  # a long one among short ones (no padded [B, max length] blow-up)
     check_batch(build(lengths, seed=3), lengths, seed=3)
 
 
