@@ -124,7 +124,8 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
         token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound,
                                                config.tis_upper_bound)
-        token_pass = token_pass * (1.0 - rejected)
+        if config.tis_mode == "mask":  # the other modes reject nothing (rejected is all 0)
+            token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":
         token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
                       .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
@@ -218,9 +219,10 @@ def _clamped_exp(x: Tensor) -> Tensor:
 
 def mismatch_seq_metrics(stats: Tensor) -> dict[str, Tensor]:
     """Per-sequence mismatch metrics [B] from the combined table, over the usable tokens of each sequence."""
-    n_usable = stats[:, COL["n_usable"]]
-    mean_train = _safe_divide(stats[:, COL["sum_train_log_prob"]], n_usable)
-    mean_log_ratio = _safe_divide(stats[:, COL["sum_log_ratio"]], n_usable)
+    col = dict(zip(COL, stats.unbind(1)))  # the table's columns in one op (a select per use: ~20 ops)
+    n_usable = col["n_usable"]
+    mean_train = _safe_divide(col["sum_train_log_prob"], n_usable)
+    mean_log_ratio = _safe_divide(col["sum_log_ratio"], n_usable)
     mean_rollout = mean_train - mean_log_ratio
     log_ppl_diff = -mean_log_ratio  # = mean log π_rollout − mean log π_train
     return {
@@ -229,12 +231,12 @@ def mismatch_seq_metrics(stats: Tensor) -> dict[str, Tensor]:
         "rollout_log_ppl": -mean_rollout,
         "rollout_ppl": _clamped_exp(-mean_rollout),
         "kl": log_ppl_diff,
-        "k3_kl": _safe_divide(stats[:, COL["sum_k3"]], n_usable),
+        "k3_kl": _safe_divide(col["sum_k3"], n_usable),
         "log_ppl_diff": log_ppl_diff,
         "log_ppl_abs_diff": log_ppl_diff.abs(),
         "ppl_ratio": _clamped_exp(log_ppl_diff),
-        "chi2_token": (_safe_divide(stats[:, COL["sum_ratio_sq"]], n_usable) - 1.0) * (n_usable > 0),
-        "chi2_seq": (2.0 * stats[:, COL["sum_log_ratio"]].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp() - 1.0,
+        "chi2_token": (_safe_divide(col["sum_ratio_sq"], n_usable) - 1.0) * (n_usable > 0),
+        "chi2_seq": (2.0 * col["sum_log_ratio"].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp() - 1.0,
     }
 
 
@@ -258,7 +260,8 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
     token-level bound, the histogram of the passing tokens' ratios (miles_mis.adaptive). Combined over CP ranks
     with ``combine_batch_values`` (it travels in the agreement header)."""
     values = location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
-                                   batch.positions, config.metrics_low_prob_threshold)
+                                   batch.positions, config.metrics_low_prob_threshold,
+                                   lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES))
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
         values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges)])
@@ -304,14 +307,15 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     ``reduce_histogram`` sums the adaptive sequence-level bound's histogram over the DP group
     (``tis_auto_scope: dp``).
     """
+    col = dict(zip(COL, stats.unbind(1)))  # the table's columns in one op (a select per use: ~20 ops)
     seq_values = mismatch_seq_metrics(stats)
     token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
     if batch_values is None:
         batch_values = local_batch_values(batch, terms, config)
     # -- where the mismatch lives, and the batch gate's statistics: every call, correction or not
     batch_metrics = location.metrics(batch_values)
-    gate_parts = gate.parts(stats[:, COL["sum_k3"]].sum(), stats[:, COL["sum_log_ratio"]].sum(),
-                            stats[:, COL["n_usable"]].sum(), batch_values[location.INDEX["max_abs_log_ratio"]])
+    gate_parts = gate.parts(col["sum_k3"].sum(), col["sum_log_ratio"].sum(),
+                            col["n_usable"].sum(), batch_values[location.INDEX["max_abs_log_ratio"]])
     if reduce_gate is not None:
         gate_parts = reduce_gate(gate_parts)
     gate_statistics = gate.statistics(gate_parts)
@@ -358,7 +362,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
 
     # -- veto (applied whenever a threshold is set) and non-finite log-probs: reject the sequence whole
     if config.rs_veto_threshold is not None:
-        vetoed = stats[:, COL["n_catastrophic"]] > 0
+        vetoed = col["n_catastrophic"] > 0
         token_metrics["rs_catastrophic_token_fraction"] = terms.catastrophic
         seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
         seq_reject = seq_reject | vetoed
@@ -366,13 +370,13 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     if config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
         div_reject, div_token, div_seq = divergence.evaluate(
-            layout, stats[:, NUM_COLUMNS:], stats[:, COL["n_usable"]], terms.estimators,
+            layout, stats[:, NUM_COLUMNS:], col["n_usable"], terms.estimators,
             terms.divergence_kept, terms.usable)
         seq_reject = seq_reject | div_reject
         token_metrics.update(div_token)
         seq_values.update(div_seq)
-    seq_keep = ~(seq_reject | (stats[:, COL["n_valid"]] > stats[:, COL["n_usable"]]))
-    n_pass = stats[:, COL["n_token_pass"]] * seq_keep
+    seq_keep = ~(seq_reject | (col["n_valid"] > col["n_usable"]))
+    n_pass = col["n_token_pass"] * seq_keep
 
     # -- the adaptive bound: at sequence level chosen here, over the kept sequences (each counted n_pass times)
     if config.adaptive_bound:
@@ -389,11 +393,11 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
 
     # -- batch statistics of the kept weights (before normalisation), from the per-sequence table
     if seq_weight is None:
-        sum_w = (stats[:, COL["sum_token_weight"]] * seq_keep).sum()
-        sum_w_sq = (stats[:, COL["sum_token_weight_sq"]] * seq_keep).sum()
+        sum_w = (col["sum_token_weight"] * seq_keep).sum()
+        sum_w_sq = (col["sum_token_weight_sq"] * seq_keep).sum()
         mean_parts = torch.stack([sum_w, n_pass.sum()])  # over kept tokens
-        max_w = _batch_extreme(stats[:, COL["max_token_weight"]], seq_keep, "amax", -1.0)
-        min_w = _batch_extreme(stats[:, COL["min_token_weight"]], seq_keep, "amin", _NO_TOKEN)
+        max_w = _batch_extreme(col["max_token_weight"], seq_keep, "amax", -1.0)
+        min_w = _batch_extreme(col["min_token_weight"], seq_keep, "amin", _NO_TOKEN)
     else:
         trained_seq = n_pass > 0
         sum_w = (n_pass * seq_weight).sum()
@@ -409,7 +413,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     else:
         factor = torch.ones_like(mean_w)
     any_kept = max_w >= 0
-    n_valid = stats[:, COL["n_valid"]].sum()
+    n_valid = col["n_valid"].sum()
     norm_values = {
         "batch_norm_factor": factor,
         "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
@@ -420,8 +424,8 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
 
     # -- miles' per-sequence extremes of the final weight over the sequence's kept tokens (0 without one)
     if seq_weight is None:
-        has_kept = seq_keep & (stats[:, COL["max_token_weight"]] >= 0)
-        seq_max, seq_min = stats[:, COL["max_token_weight"]], stats[:, COL["min_token_weight"]]
+        has_kept = seq_keep & (col["max_token_weight"] >= 0)
+        seq_max, seq_min = col["max_token_weight"], col["min_token_weight"]
     else:
         has_kept, seq_max, seq_min = n_pass > 0, seq_weight, seq_weight
     seq_values["is_ratio_max_final"] = torch.where(has_kept, seq_max / factor, 0.0)
@@ -462,7 +466,8 @@ def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:
     """Batch-level values -> one [N] column each (one fill of an [N, M] table, as the per-sequence metrics)."""
     if not values:
         return {}
-    table = torch.stack([value.float().reshape(()) for value in values.values()]).expand(num_tokens, -1).contiguous()
+    scalars = [value.float() if value.dim() == 0 else value.float().reshape(()) for value in values.values()]
+    table = torch.stack(scalars).expand(num_tokens, -1).contiguous()  # (a reshape of a 0-d tensor is one op)
     return dict(zip(values, table.unbind(1)))
 
 
@@ -482,6 +487,11 @@ def _broadcast(batch: PackedBatch, seq_values: dict[str, Tensor]) -> dict[str, T
 
 def _metrics(token_metrics: dict[str, Tensor], seq_metrics_per_token: dict[str, Tensor]) -> dict[str, Tensor]:
     """All metrics, ``mis_``-prefixed, detached float32 [N] tensors, sorted by name."""
-    out = {f"mis_{name}": value.float().detach() for name, value in token_metrics.items()}
-    out.update({f"mis_{name}": value.detach() for name, value in seq_metrics_per_token.items()})
+    out = {f"mis_{name}": _detached(value.float()) for name, value in token_metrics.items()}
+    out.update({f"mis_{name}": _detached(value) for name, value in seq_metrics_per_token.items()})
     return dict(sorted(out.items()))
+
+
+def _detached(value: Tensor) -> Tensor:
+    """``value`` without autograd history; no op when it has none (~40 metrics a call, one op each)."""
+    return value.detach() if value.requires_grad else value

@@ -17,6 +17,7 @@ The same vector carries max |ℓ|, which the batch gate (``miles_mis.gate``) rea
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,17 +32,19 @@ INDEX = {name: i for i, name in enumerate(NAMES)}
 
 
 def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor, positions: Tensor,
-                 low_prob_threshold: float) -> Tensor:
+                 low_prob_threshold: float, bucket_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens.
 
     ``k3`` and ``log_ratio`` are 0 where not usable (so sums of them need no mask); ``positions`` is each
     token's response-relative position. Seven passes over the tokens: the first token is position bucket 0,
-    and the usable count is the buckets' total.
+    and the usable count is the buckets' total. ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by position
+    bucket (``PackedBatch.per_bucket_sum``: a mat-vec, no bucket index per token); None = bucketize + bincount.
     """
     low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
-    buckets = torch.bucketize(positions, torch.tensor(POSITION_EDGES[1:], device=positions.device), right=True)
-    bucket_k3 = torch.bincount(buckets, weights=k3, minlength=len(BUCKET_NAMES)).double()
-    bucket_n = torch.bincount(buckets, weights=usable, minlength=len(BUCKET_NAMES)).double()
+    if bucket_sum is None:
+        buckets = torch.bucketize(positions, torch.tensor(POSITION_EDGES[1:], device=positions.device), right=True)
+        bucket_sum = lambda values: torch.bincount(buckets, weights=values, minlength=len(BUCKET_NAMES))  # noqa: E731
+    bucket_k3, bucket_n = bucket_sum(k3).double(), bucket_sum(usable).double()
     low_k3, low_n = torch.dot(k3, low).double(), torch.dot(usable, low).double()
     if log_ratio.numel():
         smallest, largest = torch.aminmax(log_ratio)
