@@ -172,10 +172,11 @@ def padded(p):
         "rs_catastrophic_token_fraction": catastrophic, "is_ratio_mean_after_tis_rs": kept_w,
         "is_ratio_mean_final": final,
     }
-    # per-sequence values: one [M, B] table broadcast along T in one copy; batch values: one fill each
+    # per-sequence values: one [M, B] table broadcast along T in one copy; batch values: broadcast views
+    # (stride 0), as miles_mis returns them
     table = torch.stack(list(seq.values()))
     metrics.update(zip(seq, table[:, :, None].expand(-1, -1, width).contiguous().unbind(0)))
-    metrics.update({name: value.expand(num_seqs, width).contiguous() for name, value in batch.items()})
+    metrics.update({name: value.expand(num_seqs, width) for name, value in batch.items()})
     return final, mask * token_keep, {f"mis_{name}": value for name, value in sorted(metrics.items())}
 
 
