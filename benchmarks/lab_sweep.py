@@ -113,6 +113,30 @@ def table(rows: list[dict], algorithms: list[str]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """Markdown: per mechanism, the mismatch it produces (standard PPO's runs) and three algorithms' final reward."""
+    def done(mechanism, algorithm):
+        return [r for r in rows if r["mechanism"] == mechanism and r["algorithm"] == algorithm and "final_reward" in r]
+
+    def mean(values):
+        return statistics.mean(values) if values else math.nan
+
+    k3 = {m: mean([r["raw_k3"] for r in done(m, "standard")]) for m in MECHANISMS}
+    dense = k3["bf16 (dense)"]
+    lines = ["| mechanism | raw k3 | × dense bf16 | routing mismatch | final reward: standard | decoupled TIS | "
+             "geometric RS | collapsed (all algorithms) |", "|---|---|---|---|---|---|---|---|"]
+    for m in MECHANISMS:
+        if not done(m, "standard"):
+            continue
+        routing = [r["routing_mismatch"] for r in done(m, "standard") if "routing_mismatch" in r]
+        final = {a: mean([r["final_reward"] for r in done(m, a)]) for a in ("standard", "decoupled_tis", "geo_rs")}
+        runs = [r for r in rows if r["mechanism"] == m]
+        lines.append(f"| {m} | {k3[m]:.2e} | {k3[m] / dense:.1f} | {f'{mean(routing):.3f}' if routing else '—'} | "
+                     f"{final['standard']:.3f} | {final['decoupled_tis']:.3f} | {final['geo_rs']:.3f} | "
+                     f"{sum(r['collapsed'] for r in runs)}/{len(runs)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from miles_mis.lab.demo import ALGORITHMS
 
@@ -157,7 +181,8 @@ def main() -> None:
                       f"final reward {row.get('final_reward', float('nan')):.3f}"
                       f"{' COLLAPSED' if row['collapsed'] else ''} ({row['seconds']:.0f} s; "
                       f"{elapsed / count * (len(todo) - count) / 60:.0f} min left)", file=sys.stderr, flush=True)
-    print(table([r for r in read_results(args.results) if r["steps"] == args.steps], args.algorithms))
+    rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
+    print(summary(rows) + "\n\n" + table(rows, args.algorithms))
 
 
 if __name__ == "__main__":
