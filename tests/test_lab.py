@@ -163,7 +163,8 @@ def test_train_ends_with_a_line_naming_its_files(tmp_path, capsys):
 
 
 def test_figure_smoothing_and_panels():
-    assert sync_period(DEFAULT_SETTING) == 4 and sync_period([]) == 1 and sync_period(["--rollout-staleness=3"]) == 3
+    assert sync_period(DEFAULT_SETTING) == 1 and sync_period([]) == 1 and sync_period(["--rollout-staleness=3"]) == 3
+    assert sync_period(["--rollout-dtype", "bf16", "--rollout-staleness", "4", "--lr", "3e-3"]) == 4
     xs, ys = per_period_mean([1, 2, 3, 4, 5, 6, 7], [0.0, 1.0, 2.0, 3.0, 0.0, 2.0, 4.0], 4)
     assert xs == [2.5, 6.0] and ys == [1.5, 2.0]  # the last, partial period: steps 5-7
     assert centred_mean([0.0, 3.0, 6.0, 9.0], 3) == [1.5, 3.0, 6.0, 7.5]
