@@ -381,11 +381,11 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     # -- the adaptive bound: at sequence level chosen here, over the kept sequences (each counted n_pass times)
     if config.adaptive_bound:
         if seq_ratio is not None:
-            hist = adaptive.histogram(seq_ratio, n_pass, adaptive.candidates(config.tis_auto_bounds, stats.device))
+            edges = adaptive.candidates(config.tis_auto_bounds, stats.device)
+            hist = adaptive.histogram(seq_ratio, n_pass, edges)
             if reduce_histogram is not None:
                 hist = reduce_histogram(hist)
-            bound = adaptive.choose(hist, adaptive.candidates(config.tis_auto_bounds, hist.device),
-                                    config.tis_auto_target_ess)
+            bound = adaptive.choose(hist, edges.to(hist.device), config.tis_auto_target_ess)
             seq_weight = _bound_seq_ratio(seq_values, seq_ratio, config, bound.upper.to(stats.device))
             seq_values.pop(_REJECTED)
         batch_metrics.update(tis_upper_bound_effective=bound.upper, ess_before_bound=bound.ess_before,

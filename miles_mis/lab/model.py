@@ -133,6 +133,14 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x)), (torch.stack(used) if self.cfg.moe_experts else None)
 
 
+def right_padded(sequences: list[Tensor]) -> Tensor:
+    """[B, max length] token ids, each sequence left-aligned, zeros after it (causal attention never reads them)."""
+    padded = torch.zeros(len(sequences), max(s.numel() for s in sequences), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        padded[i, :s.numel()] = s
+    return padded
+
+
 def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: list[int],
                        temperature: float, routing: list[Tensor] | None = None) -> list[Tensor]:
     """Trainer log-probs of every response token (fp32 full forward, logits / T), one tensor per sequence.
@@ -142,14 +150,11 @@ def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: 
     [n_layers, L_i − 1, k] to replay (router replay); the last position, which the engine never ran, uses
     the trainer's own router (its output scores nothing).
     """
-    lengths = [s.numel() for s in sequences]
-    padded = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        padded[i, :s.numel()] = s
+    padded = right_padded(sequences)
     replay = None
     if routing is not None:
         layers, _, top_k = routing[0].shape
-        replay = torch.full((layers, len(sequences), max(lengths), top_k), NO_CHOICE, dtype=torch.long)
+        replay = torch.full((layers, *padded.shape, top_k), NO_CHOICE, dtype=torch.long)
         for i, choices in enumerate(routing):
             replay[:, i, :choices.shape[1]] = choices
     log_probs = torch.log_softmax(model(padded, replay).float() / temperature, dim=-1)
@@ -164,10 +169,7 @@ def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: 
 def routing_disagreement(model: TinyGPT, sequences: list[Tensor], routing: list[Tensor]) -> float:
     """Fraction of (layer, position) routing decisions where the trainer's own float32 router picks another set
     of experts than the engine recorded (over every position the engine ran)."""
-    lengths = [s.numel() for s in sequences]
-    padded = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        padded[i, :s.numel()] = s
+    padded = right_padded(sequences)
     _, own = model.forward_with_routing(padded)
     differ = total = 0
     for i, engine_choices in enumerate(routing):
