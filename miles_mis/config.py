@@ -447,23 +447,18 @@ def _as_divergence(value: Any) -> tuple[tuple[str, float | None, float], ...]:
         return ()
     if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 3 for v in value):
         value = {option: (upper if lower is None else [lower, upper]) for option, lower, upper in value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"rs_divergence={value!r} is invalid: allowed values are null or a mapping from option to "
-                         f"threshold, e.g. {{seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}}")
-    out = {}
-    for option, threshold in value.items():
-        if option not in DIVERGENCE_OPTIONS:
-            raise ValueError(f"rs_divergence: unknown option {option!r}{_did_you_mean(str(option), DIVERGENCE_OPTIONS)}"
-                             f"; allowed options: {', '.join(DIVERGENCE_OPTIONS)}")
+
+    def check(option: str, threshold: Any) -> tuple[str, float | None, float]:
         key = f"rs_divergence.{option}"
         if option.endswith("_k1"):
-            out[option] = (option, *_as_range(key, threshold))
-        else:
-            if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
-                raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
-                                 "statistic (a positive number), k1 options take a ratio range")
-            out[option] = (option, None, _as_positive(key, threshold, required=True))
-    return tuple(out[o] for o in DIVERGENCE_OPTIONS if o in out)
+            return (option, *_as_range(key, threshold))
+        if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
+            raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
+                             "statistic (a positive number), k1 options take a ratio range")
+        return option, None, _as_positive(key, threshold, required=True)
+
+    return _named_mapping("rs_divergence", value, DIVERGENCE_OPTIONS, "option", check,
+                          "a mapping from option to threshold, e.g. {seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}")
 
 
 def _as_gate(value: Any) -> tuple[tuple[str, float], ...]:
@@ -474,16 +469,26 @@ def _as_gate(value: Any) -> tuple[tuple[str, float], ...]:
         return ()
     if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
         value = dict(value)
+
+    def check(name: str, threshold: Any) -> tuple[str, float]:
+        return name, _as_positive(f"rs_batch_gate.{name}", threshold, required=True)
+
+    return _named_mapping("rs_batch_gate", value, STATISTICS, "statistic", check,
+                          f"a mapping from statistic ({', '.join(STATISTICS)}) to a threshold, e.g. {{k3: 0.05}}")
+
+
+def _named_mapping(key: str, value: Any, names: tuple[str, ...], what: str, check, shape: str) -> tuple:
+    """A mapping name -> setting, validated: every name one of ``names`` (did-you-mean otherwise), each entry
+    ``check(name, setting)``; returned as a tuple of the checked entries in ``names`` order."""
     if not isinstance(value, Mapping):
-        raise ValueError(f"rs_batch_gate={value!r} is invalid: allowed values are null or a mapping from statistic "
-                         f"({', '.join(STATISTICS)}) to a threshold, e.g. {{k3: 0.05}}")
+        raise ValueError(f"{key}={value!r} is invalid: allowed values are null or {shape}")
     out = {}
-    for name, threshold in value.items():
-        if name not in STATISTICS:
-            raise ValueError(f"rs_batch_gate: unknown statistic {name!r}{_did_you_mean(str(name), STATISTICS)}; "
-                             f"allowed statistics: {', '.join(STATISTICS)}")
-        out[name] = _as_positive(f"rs_batch_gate.{name}", threshold, required=True)
-    return tuple((name, out[name]) for name in STATISTICS if name in out)
+    for name, setting in value.items():
+        if name not in names:
+            raise ValueError(f"{key}: unknown {what} {name!r}{_did_you_mean(str(name), names)}; allowed {what}s: "
+                             f"{', '.join(names)}")
+        out[name] = check(name, setting)
+    return tuple(out[name] for name in names if name in out)
 
 
 # Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
