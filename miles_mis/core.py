@@ -42,8 +42,9 @@ _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (we
 
 
 # --------------------------------------------------------------------------- bounding (one place)
-def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple[Tensor, Tensor]:
-    """Apply an IS mode to ratios ρ (per token or per sequence). Returns (weight, rejected 0/1).
+def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple[Tensor, Tensor | None]:
+    """Apply an IS mode to ratios ρ (per token or per sequence). Returns (weight, rejected 0/1 or None when
+    the mode rejects nothing).
 
     truncate: w = min(ρ, U)                     rejected = ∅
     clip:     w = clamp(ρ, L, U)                rejected = ∅
@@ -51,14 +52,14 @@ def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple
     icepop:   w = ρ·1[L ≤ ρ ≤ U]                rejected = ∅ (the mask is unchanged)
     """
     if mode == "truncate":
-        return ratio.clamp(max=upper), torch.zeros_like(ratio)
+        return ratio.clamp(max=upper), None
     if mode == "clip":
-        return ratio.clamp(lower, upper), torch.zeros_like(ratio)
+        return ratio.clamp(lower, upper), None
     outside = indicator(torch.lt, ratio, lower).add_(indicator(torch.gt, ratio, upper))  # disjoint: 0/1
     if mode == "mask":
         return ratio, outside
     if mode == "icepop":
-        return (1.0 - outside).mul_(ratio), torch.zeros_like(ratio)
+        return (1.0 - outside).mul_(ratio), None
     raise ValueError(f"tis_mode={mode!r} is invalid: allowed values are truncate, clip, mask, icepop")
 
 
@@ -124,7 +125,7 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
         token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound,
                                                config.tis_upper_bound)
-        if config.tis_mode == "mask":  # the other modes reject nothing (rejected is all 0)
+        if rejected is not None:  # mask mode (the others reject nothing)
             token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":
         token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
@@ -260,7 +261,7 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
     token-level bound, the histogram of the passing tokens' ratios (miles_mis.adaptive). Combined over CP ranks
     with ``combine_batch_values`` (it travels in the agreement header)."""
     values = location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
-                                   batch.positions, config.metrics_low_prob_threshold,
+                                   config.metrics_low_prob_threshold,
                                    lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES))
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
@@ -458,7 +459,7 @@ def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: M
     seq_weight, rejected = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound, upper)
     seq_values.update(bound_fraction_metrics("tis_", config.tis_mode, seq_ratio, config.tis_lower_bound, upper))
     seq_values["tis_weight_after_bound"] = seq_weight
-    seq_values[_REJECTED] = rejected
+    seq_values[_REJECTED] = torch.zeros_like(seq_ratio) if rejected is None else rejected
     return seq_weight
 
 
@@ -467,8 +468,11 @@ def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:
     Materialising them cost a 4·M·N-byte table per call (~5 MB at 80k tokens, 1.2 ms of first-touch page
     faults, a third of a default call); a reduction or product by the host reads a view like any tensor.
     Writing into one in place is refused by torch (docs/contract.md): copy it first."""
-    return {name: (value if value.dim() == 0 else value.reshape(())).float().expand(num_tokens)
-            for name, value in values.items()}
+    if not values:
+        return {}
+    # one stack and one unbind for all of them (a reshape, cast and expand each cost ~3 ops per value)
+    column = torch.stack([value.reshape(()) for value in values.values()]).float()
+    return dict(zip(values, column[:, None].expand(-1, num_tokens).unbind(0)))
 
 
 def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:

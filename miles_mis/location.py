@@ -31,19 +31,16 @@ NAMES = SUM_NAMES + MAX_NAMES
 INDEX = {name: i for i, name in enumerate(NAMES)}
 
 
-def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor, positions: Tensor,
-                 low_prob_threshold: float, bucket_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
+                 low_prob_threshold: float, bucket_sum: Callable[[Tensor], Tensor]) -> Tensor:
     """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens.
 
-    ``k3`` and ``log_ratio`` are 0 where not usable (so sums of them need no mask); ``positions`` is each
-    token's response-relative position. Seven passes over the tokens: the first token is position bucket 0,
-    and the usable count is the buckets' total. ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by position
-    bucket (``PackedBatch.per_bucket_sum``: a mat-vec, no bucket index per token); None = bucketize + bincount.
+    ``k3`` and ``log_ratio`` are 0 where not usable (so sums of them need no mask). Seven passes over the
+    tokens: the first token is position bucket 0, and the usable count is the buckets' total.
+    ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by response-position bucket (POSITION_EDGES), e.g.
+    ``PackedBatch.per_bucket_sum``.
     """
     low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
-    if bucket_sum is None:
-        buckets = torch.bucketize(positions, torch.tensor(POSITION_EDGES[1:], device=positions.device), right=True)
-        bucket_sum = lambda values: torch.bincount(buckets, weights=values, minlength=len(BUCKET_NAMES))  # noqa: E731
     bucket_k3, bucket_n = bucket_sum(k3).double(), bucket_sum(usable).double()
     low_k3, low_n = torch.dot(k3, low).double(), torch.dot(usable, low).double()
     if log_ratio.numel():
@@ -65,11 +62,14 @@ _RATIOS = (("k3_first_token", "first_k3", "first_n"), ("k3_low_rollout_prob", "l
     (f"k3_position_{name}", f"position_k3_{name}", f"position_n_{name}") for name in BUCKET_NAMES)
 _NUMERATORS = [INDEX[numerator] for _, numerator, _ in _RATIOS]
 _DENOMINATORS = [INDEX[denominator] for _, _, denominator in _RATIOS]
+_INDEX_BY_DEVICE: dict = {}
 
 
 def metrics(values: Tensor) -> dict[str, Tensor]:
     """Batch-level metric values (0-d float32) from the combined vector: every ratio in one division."""
-    index = torch.tensor(_NUMERATORS + _DENOMINATORS, device=values.device)
+    index = _INDEX_BY_DEVICE.get(values.device)
+    if index is None:  # made once per device, not once per call
+        index = _INDEX_BY_DEVICE[values.device] = torch.tensor(_NUMERATORS + _DENOMINATORS, device=values.device)
     parts = values.index_select(0, index).view(2, -1)
     ratios = (parts[0] / parts[1].clamp(min=1.0)).float()
     return dict(zip((name for name, _, _ in _RATIOS), ratios.unbind(0)))

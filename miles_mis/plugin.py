@@ -493,8 +493,7 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> core
         raise InputError("cu_seqlens is empty: expected B+1 offsets, [0] for no sequence")
 
     seq_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    ends = cu_seqlens[[0, -1]]
-    suspect = (ends != torch.tensor([0, num_tokens], device=cu_seqlens.device)).any() | (seq_lengths < 0).any()
+    suspect = cu_seqlens[0].ne(0).logical_or_(cu_seqlens[-1].ne(num_tokens)).logical_or_((seq_lengths < 0).any())
     if loss_mask.is_floating_point():
         suspect = suspect | _may_hold_nonfinite(loss_mask)
     if bool(suspect):  # the one read of a value; the exact checks below run only when something is off

@@ -34,17 +34,31 @@ class PackedBatch:
     seq_lengths: Tensor  # [B] int64, local tokens per sequence
     seq_index: Tensor  # [N] int64, sequence of each token
     segment_matrix: Tensor  # [B, N] sparse CSR of ones: segment_matrix @ x = per-sequence sums of x
-    positions: Tensor  # [N] int64, each token's position in its response (0 = the first generated token)
-    # True when positions are 0..L-1 in every sequence (whole responses, cp = 1): a position bucket is then a
-    # range of each sequence's tokens, so per_bucket_sum needs no bucket index per token
-    whole_responses: bool = False
+    # [N] int64 response positions of a CP layout; None = whole responses (cp = 1): positions are then
+    # 0..L-1 in every sequence, computed only if read (``positions``), and a position bucket is a range of
+    # each sequence's tokens, so per_bucket_sum needs no bucket index per token
+    layout_positions: Tensor | None = None
     _row_offsets: Tensor | None = field(default=None, compare=False, repr=False)  # [B+1] int64 cumsum of lengths
     _columns: Tensor | None = field(default=None, compare=False, repr=False)  # segment_matrix's column indices
-    _by_edges: dict = field(default_factory=dict, compare=False, repr=False)  # per_bucket_sum's index, per edges
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)  # positions, per_bucket_sum's indices
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lengths.numel()
+
+    @property
+    def whole_responses(self) -> bool:
+        """Every sequence's tokens are its whole response, in order (cp = 1)."""
+        return self.layout_positions is None
+
+    @property
+    def positions(self) -> Tensor:
+        """[N] int64, each token's position in its response (0 = the first generated token)."""
+        if self.layout_positions is not None:
+            return self.layout_positions
+        if "positions" not in self._cache:  # whole responses: built on first use (the core's stages need none)
+            self._cache["positions"] = _positions(self.seq_lengths, self._row_offsets, self.seq_index.numel())
+        return self._cache["positions"]
 
     @classmethod
     def from_flat(cls, train_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
@@ -65,18 +79,16 @@ class PackedBatch:
         columns = torch.arange(num_tokens, dtype=torch.int32 if num_tokens <= _INT32_MAX else torch.long,
                                device=device)
         segment_matrix = _csr(row_offsets.to(columns.dtype), columns, num_seqs)
-        whole_responses = positions is None
-        if whole_responses:
-            positions = _positions(seq_lengths, row_offsets, num_tokens)
+        if positions is not None:
+            positions = positions.to(device=device, dtype=torch.long)
         return cls(train_log_probs.float(), rollout_log_probs.float(), loss_mask, seq_lengths, seq_index,
-                   segment_matrix, positions.to(device=device, dtype=torch.long), whole_responses, row_offsets,
-                   columns)
+                   segment_matrix, positions, row_offsets, columns)
 
     def per_seq_sum(self, values: Tensor) -> Tensor:
         """[N] -> [B] sums over each sequence's tokens."""
         if values.numel() == 0:
             return values.new_zeros(self.num_seqs)
-        return self.segment_matrix @ values
+        return torch.mv(self.segment_matrix, values)  # not @: matmul adds a dispatch layer per call
 
     def per_seq_extreme(self, values: Tensor, reduce: str, empty: float) -> Tensor:
         """[N] -> [B] "amax"/"amin" over each sequence's tokens (``empty`` for a sequence with no token)."""
@@ -95,32 +107,53 @@ class PackedBatch:
             raise ValueError(f"position bucket edges {edges} must be increasing, starting at 0")
         if values.numel() == 0:
             return values.new_zeros(len(edges))
-        index = self._by_edges.get(edges)
+        index = self._cache.get(edges)
         if index is None:  # built once per batch: location sums two columns by the same buckets
-            index = self._by_edges[edges] = (
+            index = self._cache[edges] = (
                 self._bucket_matrix(edges) if self.whole_responses
-                else torch.bucketize(self.positions, torch.tensor(edges[1:], device=values.device), right=True))
+                else torch.bucketize(self.positions, _constant(edges[1:], values.device), right=True))
         if not self.whole_responses:  # positions of a CP layout: a bucket per token, and a (serial) bincount
             return torch.bincount(index, weights=values, minlength=len(edges))
         # a row per (sequence, bucket), a range of the sequence's tokens: one parallel mat-vec instead of a
         # per-token bucket index and a serial bincount (4-7x less time on CPU)
-        return (index @ values).view(self.num_seqs, len(edges)).sum(0)
+        return torch.mv(index, values).view(self.num_seqs, len(edges)).sum(0)
 
     def _bucket_matrix(self, edges: tuple[int, ...]) -> Tensor:
         """[B·K, N] CSR of ones: row i·K + k holds sequence i's tokens at positions [edges[k], edges[k+1])."""
         offsets = self._row_offsets
-        bounds = torch.tensor(edges, device=offsets.device)
-        starts = torch.minimum(self.seq_lengths[:, None], bounds).add_(offsets[:-1, None])
+        starts = torch.minimum(self.seq_lengths[:, None], _constant(edges, offsets.device)).add_(offsets[:-1, None])
         rows = torch.cat([starts.view(-1), offsets[-1:]]).to(self._columns.dtype)
-        return _csr(rows, self._columns, self.num_seqs * len(edges))
+        # the same N ones as the segment matrix (read-only): one buffer fewer to fill
+        return _csr(rows, self._columns, self.num_seqs * len(edges), self.segment_matrix.values())
 
 
-def _csr(row_offsets: Tensor, columns: Tensor, num_rows: int) -> Tensor:
+_CONSTANTS: dict = {}  # small constant index tensors, made once per (values, device) rather than once per call
+
+
+def _constant(values: tuple[int, ...], device) -> Tensor:
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, device=device)
+    return _CONSTANTS[key]
+
+
+_csr_warned = False  # torch warns once per process that sparse CSR is beta: silenced on the first build only
+
+
+def _csr(row_offsets: Tensor, columns: Tensor, num_rows: int, ones: Tensor | None = None) -> Tensor:
     """[num_rows, N] sparse CSR of ones; ``columns`` = arange(N): each row a range of the tokens."""
+    global _csr_warned
+    if ones is None:
+        ones = torch.ones(columns.numel(), device=columns.device)
+    if _csr_warned:
+        return torch.sparse_csr_tensor(row_offsets, columns, ones, size=(num_rows, columns.numel()),
+                                       check_invariants=False)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": mat-vec is all we use
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(row_offsets, columns, torch.ones(columns.numel(), device=columns.device),
-                                       size=(num_rows, columns.numel()), check_invariants=False)
+        matrix = torch.sparse_csr_tensor(row_offsets, columns, ones, size=(num_rows, columns.numel()),
+                                         check_invariants=False)
+    _csr_warned = True
+    return matrix
 
 
 def _positions(seq_lengths: Tensor, row_offsets: Tensor, num_tokens: int) -> Tensor:

@@ -153,3 +153,20 @@ def test_long_and_short_sequences_together():
 @given(st.lists(st.integers(min_value=0, max_value=40), max_size=30), st.integers(min_value=0, max_value=2**16))
 def test_segment_ops_match_the_per_sequence_reference(lengths, seed):
     check_batch(build(lengths, seed), lengths, seed)
+
+
+def test_sparse_beta_warning_never_reaches_the_user():
+    """torch warns once per process that sparse CSR is beta: the first matrix built silences it, the later
+    ones (built without the warnings context) must not bring it back. A fresh process, warnings as errors."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from miles_mis.segments import PackedBatch\n"
+            "for n in (3, 5):\n"
+            "    b = PackedBatch.from_flat(torch.zeros(n), torch.zeros(n), torch.ones(n), torch.tensor([1, n - 1]))\n"
+            "    assert b.per_seq_sum(torch.ones(n)).tolist() == [1.0, n - 1.0]\n"
+            "    assert b.per_bucket_sum(torch.ones(n), (0, 1, 4)).tolist() == [2.0, min(n - 2, 3), max(n - 5, 0)]\n"
+            "    assert b.positions.tolist() == [0] + list(range(n - 1))\n")
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
