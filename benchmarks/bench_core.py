@@ -16,7 +16,7 @@ Compared on the same inputs, each in its host's native format (that conversion i
               than this against the packed one)
   reference   the readable pure-Python reference of tests/reference.py (one point only: it is slow)
 
-list, packed, padded and cat+split are timed in one interleaved pass (the order rotates every round);
+list, packed, padded and cat+split are timed in one interleaved pass (the order shuffled every round);
 per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
 after it). The cost of the "where the mismatch lives" location sums (miles_mis.location.local_values, via
 core.local_batch_values) is the default packed call timed with and without them, interleaved in a third
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import sys
 import time
@@ -294,16 +295,19 @@ def median_ms(fn, repeats):
     return statistics.median(times) * 1e3
 
 
-def interleaved_medians_ms(*fns, repeats):
-    """Median times of functions run in turn, so that drift on a shared machine hits them all. The order
-    rotates every round: the function run right after a slow one (caches flushed, memory handed back to
-    the OS) is a different one each time."""
+def interleaved_medians_ms(*fns, repeats, seed=0):
+    """Median times of functions run in turn, so that drift on a shared machine hits them all. The order is
+    shuffled every round (seeded): what runs right before a function (caches flushed, memory handed back to
+    the OS by a slow one) varies. A rotation would not do that: it keeps every function's predecessor the
+    same (f0 f1 f2, f1 f2 f0, ...: f1 always follows f0), which moved one time by up to 40 % here."""
+    rng = random.Random(seed)
     for fn in fns:
         fn()
     times = [[] for _ in fns]
-    for round_ in range(repeats):
-        for k in range(len(fns)):
-            i = (round_ + k) % len(fns)
+    order = list(range(len(fns)))
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for i in order:
             start = time.perf_counter()
             fns[i]()
             times[i].append(time.perf_counter() - start)

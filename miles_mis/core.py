@@ -218,9 +218,14 @@ def _clamped_exp(x: Tensor) -> Tensor:
     return x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
-def mismatch_seq_metrics(stats: Tensor) -> dict[str, Tensor]:
-    """Per-sequence mismatch metrics [B] from the combined table, over the usable tokens of each sequence."""
-    col = dict(zip(COL, stats.unbind(1)))  # the table's columns in one op (a select per use: ~20 ops)
+def table_columns(stats: Tensor) -> dict[str, Tensor]:
+    """The per-sequence table's base columns by name, in one op (a select per use: ~20 ops)."""
+    return dict(zip(COL, stats.unbind(1)))
+
+
+def mismatch_seq_metrics(col: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per-sequence mismatch metrics [B] from the combined table's columns (``table_columns``), over the
+    usable tokens of each sequence."""
     n_usable = col["n_usable"]
     mean_train = _safe_divide(col["sum_train_log_prob"], n_usable)
     mean_log_ratio = _safe_divide(col["sum_log_ratio"], n_usable)
@@ -308,8 +313,8 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     ``reduce_histogram`` sums the adaptive sequence-level bound's histogram over the DP group
     (``tis_auto_scope: dp``).
     """
-    col = dict(zip(COL, stats.unbind(1)))  # the table's columns in one op (a select per use: ~20 ops)
-    seq_values = mismatch_seq_metrics(stats)
+    col = table_columns(stats)
+    seq_values = mismatch_seq_metrics(col)
     token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
     if batch_values is None:
         batch_values = local_batch_values(batch, terms, config)
@@ -491,7 +496,8 @@ def _broadcast(batch: PackedBatch, seq_values: dict[str, Tensor]) -> dict[str, T
 
 def _metrics(token_metrics: dict[str, Tensor], seq_metrics_per_token: dict[str, Tensor]) -> dict[str, Tensor]:
     """All metrics, ``mis_``-prefixed, detached float32 [N] tensors, sorted by name."""
-    out = {f"mis_{name}": _detached(value.float()) for name, value in token_metrics.items()}
+    out = {f"mis_{name}": _detached(value if value.dtype == torch.float32 else value.float())
+           for name, value in token_metrics.items()}
     out.update({f"mis_{name}": _detached(value) for name, value in seq_metrics_per_token.items()})
     return dict(sorted(out.items()))
 
