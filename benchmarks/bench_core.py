@@ -11,12 +11,13 @@ Compared on the same inputs, each in its host's native format (that conversion i
               tensor; checked equal to ours (at the real tokens) before timing
   per-seq     a per-sequence torch loop (vectorised inside a sequence, one Python iteration per
               sequence, the structure of miles' mis.py), checked equal to ours before timing
-  cat+split   what the list interface costs a packed implementation: torch.cat of the three input
-              lists and splitting the output mask into B tensors (the list path should lose no more
-              than this against the packed one)
+  list I/O    what the list interface costs a packed implementation at the least: read the B lengths
+              (one numel per sequence) into cu_seqlens, torch.cat the three input lists, weight pg_loss
+              (the list entry returns pg_loss x weights, zeroed where rejected) and split the output mask
+              into B tensors (the list path should lose no more than this against the packed one)
   reference   the readable pure-Python reference of tests/reference.py (one point only: it is slow)
 
-list, packed, padded and cat+split are timed in one interleaved pass (the order shuffled every round);
+list, packed, padded and list I/O are timed in one interleaved pass (the order shuffled every round);
 per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
 after it). The cost of the "where the mismatch lives" location sums (miles_mis.location.local_values, via
 core.local_batch_values) is the default packed call timed with and without them, interleaved in a third
@@ -181,10 +182,14 @@ def padded(p):
     return final, mask * token_keep, {f"mis_{name}": value for name, value in sorted(metrics.items())}
 
 
-def cat_and_split(inputs, lengths):
-    """The list interface's own cost: join the three input lists, split one [N] output into B tensors."""
+def list_interface(inputs, pg_loss, weights, keep):
+    """The list interface's own cost (see the module docstring); ``weights``/``keep``: a packed call's output."""
+    lengths = list(map(torch.Tensor.numel, inputs["loss_masks"]))
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=cu_seqlens[1:])
     flat = [torch.cat(inputs[name]) for name in ("train_log_probs", "rollout_log_probs", "loss_masks")]
-    return list(flat[2].split_with_sizes(lengths))
+    weighted = torch.where(keep, pg_loss * weights, 0.0)
+    return cu_seqlens, weighted, list(flat[2].split_with_sizes(lengths))
 
 
 def per_sequence(inputs, pg_loss):
@@ -370,11 +375,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis)")
-    print("medians in ms, list/packed/padded/cat+split run interleaved, then per-seq interleaved with list "
+    print("medians in ms, list/packed/padded/list I/O run interleaved, then per-seq interleaved with list "
           "(seq/list is from that pass);")
     print("pad%: padding share of the B x T padded tensors; pad/pack >= 1: the packed entry is as fast as padded")
     print(f"{'B':>5} {'T':>5} {'tokens':>7} {'pad%':>4} {'list':>7} {'packed':>7} {'padded':>7} {'per-seq':>8} "
-          f"{'cat+split':>9} {'list-packed':>11} {'pad/pack':>8} {'list/pack':>9} {'seq/list':>8}")
+          f"{'list I/O':>9} {'list-packed':>11} {'pad/pack':>8} {'list/pack':>9} {'seq/list':>8}")
     location_lines = []
     for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128), (4096, 64)]:
         inputs = make_inputs(num_seqs, max_len)
@@ -383,17 +388,19 @@ def main() -> None:
         flat = packed_inputs(inputs)
         dense, real = padded_inputs(inputs)
         check_same(inputs, pg_loss, flat, dense, real)
+        weights, mask, _ = ours_packed(flat)
+        keep = mask > 0
         # the per-sequence loop (10^4-10^5 small tensors per call) leaves the allocator and the caches in a
         # state that slows whatever runs next: it is timed in a second pass, interleaved with the list entry
-        t_list, t_packed, t_padded, t_cat = interleaved_medians_ms(
+        t_list, t_packed, t_padded, t_io = interleaved_medians_ms(
             lambda: ours(inputs, pg_loss), lambda: ours_packed(flat), lambda: padded(dense),
-            lambda: cat_and_split(inputs, lengths), repeats=args.repeats)
+            lambda: list_interface(inputs, pg_loss, weights, keep), repeats=args.repeats)
         t_list_2, t_seq = interleaved_medians_ms(lambda: ours(inputs, pg_loss), lambda: per_sequence(inputs, pg_loss),
                                                  repeats=args.repeats)
         padding = 100 * (1 - len(pg_loss) / real.numel())
         print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {padding:>4.0f} {t_list:>7.2f} {t_packed:>7.2f} "
               f"{t_padded:>7.2f} "
-              f"{t_seq:>8.1f} {t_cat:>9.2f} {t_list - t_packed:>11.2f} {t_padded / t_packed:>7.2f}x "
+              f"{t_seq:>8.1f} {t_io:>9.2f} {t_list - t_packed:>11.2f} {t_padded / t_packed:>7.2f}x "
               f"{t_list / t_packed:>8.2f}x {t_seq / t_list_2:>7.1f}x")
         t_with, t_without = location_share_ms(flat, args.repeats)
         share = 100 * (t_with - t_without) / t_with
