@@ -24,8 +24,9 @@ from torch import Tensor
 
 POSITION_EDGES = (0, 1, 16, 128, 1024, 8192)  # buckets [0, 1) [1, 16) ... [8192, ∞): the first token alone
 BUCKET_NAMES = tuple(f"{a}_{b}" for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:] + ("inf",)))
-SUM_NAMES = ("first_k3", "first_n", "low_k3", "low_n", "usable_n") + tuple(
-    f"{kind}_{name}" for name in BUCKET_NAMES for kind in ("position_k3", "position_n"))
+# in the order local_values builds them; the first token is position bucket [0, 1)
+SUM_NAMES = (("low_k3", "low_n") + tuple(f"position_k3_{name}" for name in BUCKET_NAMES)
+             + tuple(f"position_n_{name}" for name in BUCKET_NAMES) + ("usable_n",))
 MAX_NAMES = ("max_abs_log_ratio",)
 NAMES = SUM_NAMES + MAX_NAMES
 INDEX = {name: i for i, name in enumerate(NAMES)}
@@ -41,15 +42,15 @@ def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_prob
     ``PackedBatch.per_bucket_sum``.
     """
     low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
-    bucket_k3, bucket_n = bucket_sum(k3).double(), bucket_sum(usable).double()
-    low_k3, low_n = torch.dot(k3, low).double(), torch.dot(usable, low).double()
     if log_ratio.numel():
         smallest, largest = torch.aminmax(log_ratio)
-        largest = torch.maximum(largest, -smallest).double()
+        largest = torch.maximum(largest, -smallest)
     else:
-        largest = torch.zeros((), dtype=torch.float64, device=k3.device)
-    sums = torch.stack([bucket_k3[0], bucket_n[0], low_k3, low_n, bucket_n.sum()])
-    return torch.cat([sums, torch.stack([bucket_k3, bucket_n], 1).reshape(-1), largest.reshape(1)])
+        largest = log_ratio.new_zeros(())
+    # float32 sums, cast once (exact); the usable count is the sum of the bucket counts, in float64
+    sums = torch.cat([torch.stack([torch.dot(k3, low), torch.dot(usable, low)]), bucket_sum(k3),
+                      bucket_sum(usable)]).double()
+    return torch.cat([sums, sums[-len(BUCKET_NAMES):].sum().reshape(1), largest.double().reshape(1)])
 
 
 def combine(per_rank: Tensor) -> Tensor:
@@ -57,7 +58,9 @@ def combine(per_rank: Tensor) -> Tensor:
     return torch.cat([per_rank[:, :len(SUM_NAMES)].sum(0), per_rank[:, len(SUM_NAMES):].amax(0)])
 
 
-_RATIOS = (("k3_first_token", "first_k3", "first_n"), ("k3_low_rollout_prob", "low_k3", "low_n"),
+_FIRST = BUCKET_NAMES[0]  # "0_1": the first generated token
+_RATIOS = (("k3_first_token", f"position_k3_{_FIRST}", f"position_n_{_FIRST}"),
+           ("k3_low_rollout_prob", "low_k3", "low_n"),
            ("low_rollout_prob_token_fraction", "low_n", "usable_n")) + tuple(
     (f"k3_position_{name}", f"position_k3_{name}", f"position_n_{name}") for name in BUCKET_NAMES)
 _NUMERATORS = [INDEX[numerator] for _, numerator, _ in _RATIOS]
