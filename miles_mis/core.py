@@ -352,8 +352,9 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         seq_ratio = _clamped_exp(level_log_ratio(stats, config.tis_level))
         seq_values["tis_weight_before_bound"] = seq_ratio
         if not config.adaptive_bound:
-            seq_weight = _bound_seq_ratio(seq_values, seq_ratio, config, config.tis_upper_bound)
-            seq_reject = seq_reject | (seq_values.pop(_REJECTED) > 0)
+            seq_weight, rejected = _bound_seq_ratio(seq_values, seq_ratio, config, config.tis_upper_bound)
+            if rejected is not None:  # mask mode (the others reject nothing)
+                seq_reject = seq_reject | (rejected > 0)
 
     # -- rejection sampling at rs_level (token level already folded into terms.token_pass)
     if config.use_rs:
@@ -392,8 +393,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
             if reduce_histogram is not None:
                 hist = reduce_histogram(hist)
             bound = adaptive.choose(hist, edges.to(hist.device), config.tis_auto_target_ess)
-            seq_weight = _bound_seq_ratio(seq_values, seq_ratio, config, bound.upper.to(stats.device))
-            seq_values.pop(_REJECTED)
+            seq_weight, _ = _bound_seq_ratio(seq_values, seq_ratio, config, bound.upper.to(stats.device))
         batch_metrics.update(tis_upper_bound_effective=bound.upper, ess_before_bound=bound.ess_before,
                              ess_after_bound=bound.ess_after)
 
@@ -455,17 +455,14 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token), message)
 
 
-_REJECTED = "_rejected"  # internal: the bounding stage's rejections, popped by the caller
-
-
-def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: MisConfig, upper) -> Tensor:
-    """Per-sequence weights of the sequence-level ratios bounded at ``upper``; their metrics (and the rejections,
-    under _REJECTED) go into ``seq_values``."""
+def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: MisConfig,
+                     upper) -> tuple[Tensor, Tensor | None]:
+    """(per-sequence weights, rejections or None) of the sequence-level ratios bounded at ``upper``
+    (``bound_weights``); their metrics go into ``seq_values``."""
     seq_weight, rejected = bound_weights(seq_ratio, config.tis_mode, config.tis_lower_bound, upper)
     seq_values.update(bound_fraction_metrics("tis_", config.tis_mode, seq_ratio, config.tis_lower_bound, upper))
     seq_values["tis_weight_after_bound"] = seq_weight
-    seq_values[_REJECTED] = torch.zeros_like(seq_ratio) if rejected is None else rejected
-    return seq_weight
+    return seq_weight, rejected
 
 
 def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:

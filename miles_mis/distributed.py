@@ -29,7 +29,7 @@ from torch import Tensor
 LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 _INTS = "<6q"  # magic, error flag, error sequence, batch size, table width, config fingerprint
-# the batch-sum vector of miles_mis.location (18) + the adaptive bound's histogram (195), and the DP exchanges'
+# the batch-sum vector of miles_mis.location (16) + the adaptive bound's histogram (195), and the DP exchanges'
 # numbers (at most that histogram)
 PAYLOAD_SLOTS = 224
 _FLOATS = f"<{PAYLOAD_SLOTS}d"

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .ops import constant
+
 POSITION_EDGES = (0, 1, 16, 128, 1024, 8192)  # buckets [0, 1) [1, 16) ... [8192, ∞): the first token alone
 BUCKET_NAMES = tuple(f"{a}_{b}" for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:] + ("inf",)))
 # in the order local_values builds them; the first token is position bucket [0, 1)
@@ -65,14 +67,11 @@ _RATIOS = (("k3_first_token", f"position_k3_{_FIRST}", f"position_n_{_FIRST}"),
     (f"k3_position_{name}", f"position_k3_{name}", f"position_n_{name}") for name in BUCKET_NAMES)
 _NUMERATORS = [INDEX[numerator] for _, numerator, _ in _RATIOS]
 _DENOMINATORS = [INDEX[denominator] for _, _, denominator in _RATIOS]
-_INDEX_BY_DEVICE: dict = {}
+_INDEX = tuple(_NUMERATORS + _DENOMINATORS)
 
 
 def metrics(values: Tensor) -> dict[str, Tensor]:
     """Batch-level metric values (0-d float32) from the combined vector: every ratio in one division."""
-    index = _INDEX_BY_DEVICE.get(values.device)
-    if index is None:  # made once per device, not once per call
-        index = _INDEX_BY_DEVICE[values.device] = torch.tensor(_NUMERATORS + _DENOMINATORS, device=values.device)
-    parts = values.index_select(0, index).view(2, -1)
+    parts = values.index_select(0, constant(_INDEX, values.device)).view(2, -1)
     ratios = (parts[0] / parts[1].clamp(min=1.0)).float()
     return dict(zip((name for name, _, _ in _RATIOS), ratios.unbind(0)))

@@ -14,3 +14,16 @@ def indicator(compare, a: Tensor, b) -> Tensor:
     Written into a float tensor directly: on CPU, bool→float conversion costs ~5× the comparison.
     """
     return compare(a, b, out=torch.empty_like(a, dtype=torch.float32))
+
+
+_CONSTANTS: dict = {}
+
+
+def constant(values: tuple[int, ...], device) -> Tensor:
+    """A small constant int64 tensor (bucket edges, an index), made once per (values, device) and shared:
+    read it, never write into it. Building it from a Python tuple each call costs more than the op using it."""
+    key = (values, str(device))
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        tensor = _CONSTANTS[key] = torch.tensor(values, dtype=torch.long, device=device)
+    return tensor

@@ -446,13 +446,12 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
         response_offsets = torch.cumsum(torch.tensor([0] + full_lengths[:-1], dtype=torch.long), 0)
         positions = layout.positions(response_offsets).to(device)
         local_mask = full_masks.index_select(0, positions)
+    seq_lengths = _long_tensor(local_lengths, device)
     response_positions = None
     if positions is not None:  # each local token's position in its response: its index minus its response's start
-        local_seq = torch.repeat_interleave(torch.arange(len(local_lengths), device=device),
-                                            torch.tensor(local_lengths, dtype=torch.long, device=device),
-                                            output_size=positions.numel())
+        local_seq = torch.repeat_interleave(seq_lengths, output_size=positions.numel())  # sequence of each token
         response_positions = positions - response_offsets.to(device).index_select(0, local_seq)
-    batch = core.PackedBatch.from_flat(train, rollout.to(device), local_mask, _long_tensor(local_lengths, device),
+    batch = core.PackedBatch.from_flat(train, rollout.to(device), local_mask, seq_lengths,
                                        positions=response_positions)
     return PackedInputs(batch, full_masks, full_lengths, positions, length_table)
 

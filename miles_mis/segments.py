@@ -10,12 +10,15 @@ choices below were timed side by side against their alternatives (2 threads, the
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from .ops import constant
 
 _INT32_MAX = 2**31 - 1
 
@@ -111,7 +114,7 @@ class PackedBatch:
         if index is None:  # built once per batch: location sums two columns by the same buckets
             index = self._cache[edges] = (
                 self._bucket_matrix(edges) if self.whole_responses
-                else torch.bucketize(self.positions, _constant(edges[1:], values.device), right=True))
+                else torch.bucketize(self.positions, constant(edges[1:], values.device), right=True))
         if not self.whole_responses:  # positions of a CP layout: a bucket per token, and a (serial) bincount
             return torch.bincount(index, weights=values, minlength=len(edges))
         # a row per (sequence, bucket), a range of the sequence's tokens: one parallel mat-vec instead of a
@@ -121,20 +124,10 @@ class PackedBatch:
     def _bucket_matrix(self, edges: tuple[int, ...]) -> Tensor:
         """[B·K, N] CSR of ones: row i·K + k holds sequence i's tokens at positions [edges[k], edges[k+1])."""
         offsets = self._row_offsets
-        starts = torch.minimum(self.seq_lengths[:, None], _constant(edges, offsets.device)).add_(offsets[:-1, None])
+        starts = torch.minimum(self.seq_lengths[:, None], constant(edges, offsets.device)).add_(offsets[:-1, None])
         rows = torch.cat([starts.view(-1), offsets[-1:]]).to(self._columns.dtype)
         # the same N ones as the segment matrix (read-only): one buffer fewer to fill
         return _csr(rows, self._columns, self.num_seqs * len(edges), self.segment_matrix.values())
-
-
-_CONSTANTS: dict = {}  # small constant index tensors, made once per (values, device) rather than once per call
-
-
-def _constant(values: tuple[int, ...], device) -> Tensor:
-    key = (values, str(device))
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(values, device=device)
-    return _CONSTANTS[key]
 
 
 _csr_warned = False  # torch warns once per process that sparse CSR is beta: silenced on the first build only
@@ -145,11 +138,9 @@ def _csr(row_offsets: Tensor, columns: Tensor, num_rows: int, ones: Tensor | Non
     global _csr_warned
     if ones is None:
         ones = torch.ones(columns.numel(), device=columns.device)
-    if _csr_warned:
-        return torch.sparse_csr_tensor(row_offsets, columns, ones, size=(num_rows, columns.numel()),
-                                       check_invariants=False)
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": mat-vec is all we use
-        warnings.simplefilter("ignore", UserWarning)
+    with contextlib.nullcontext() if _csr_warned else warnings.catch_warnings():
+        if not _csr_warned:  # "sparse CSR support is in beta": mat-vec is all we use
+            warnings.simplefilter("ignore", UserWarning)
         matrix = torch.sparse_csr_tensor(row_offsets, columns, ones, size=(num_rows, columns.numel()),
                                          check_invariants=False)
     _csr_warned = True
