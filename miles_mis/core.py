@@ -31,12 +31,10 @@ from torch import Tensor
 
 from . import adaptive, divergence, gate, location
 from .config import MisConfig
-from .ops import LOG_RATIO_CLAMP, indicator
+from . import ops
+from .ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP, indicator
 from .segments import PackedBatch
 
-# A log-prob at or beyond ±LOG_PROB_BOUND is a fill value, not a log-prob (no float32 softmax gets near
-# −1e4: its smallest positive probability is ~1e-45, log ≈ −103): treated exactly like NaN/inf.
-LOG_PROB_BOUND = 1e4
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
 _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
 
@@ -82,7 +80,8 @@ class TokenTerms:
     train_log_probs: Tensor  # log π_train, 0 where not usable
     log_ratio: Tensor  # ℓ_t, 0 where not usable (so ρ_t = 1 there)
     token_ratio: Tensor  # ρ_t = exp(clamp(ℓ_t))
-    k3: Tensor  # max(ρ_t − ℓ_t − 1, 0), 0 where not usable
+    k3: Tensor  # float64 ρ_t − ℓ_t − 1 = expm1(clamp(ℓ_t)) − ℓ_t, 0 where not usable (ops.k3)
+    chi2: Tensor  # ρ_t² − 1 = expm1(2·clamp(ℓ_t)), 0 where not usable
     catastrophic: Tensor  # usable and ℓ_t < log(veto threshold)
     token_pass: Tensor  # usable and not rejected by a token-level stage
     token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
@@ -109,10 +108,11 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     # where not usable the values are garbage (NaN·0 = NaN): zero them, so no metric sees their value
     log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
     train = torch.nan_to_num(batch.train_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
-    token_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
-    # 0 where not usable (ℓ = 0, ρ = 1); clamped at 0: for |ℓ| ~ 1e-7 (agreeing engines) ρ − ℓ − 1 rounds
-    # below 0 in float32, and k3 ≥ 0 is what makes it a divergence
-    k3 = (token_ratio - log_ratio).sub_(1.0).clamp_(min=0.0)
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_ratio = clamped.exp()
+    # both 0 where not usable (ℓ = 0); expm1, not e^ℓ − 1: no cancellation when the engines nearly agree
+    k3 = ops.k3(clamped, log_ratio)
+    chi2 = torch.expm1(clamped.mul_(2.0))
 
     if config.rs_veto_threshold is not None:
         # compare the raw ℓ_t, not the clamped ratio: a threshold below e^-20 must still fire
@@ -132,17 +132,30 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
                       .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
     estimators, kept = {}, {}
     if config.rs_divergence:
-        estimators = divergence.token_estimators(log_ratio, token_ratio)
+        estimators = divergence.token_estimators(log_ratio)
         kept = divergence.token_decisions(config.rs_divergence, estimators)
         for keep in kept.values():
             token_pass = token_pass * keep
-    return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, catastrophic, token_pass, token_weight,
-                      estimators, kept)
+    return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
+                      token_weight, estimators, kept)
+
+
+def rejects_tokens(config: MisConfig) -> bool:
+    """The correction can reject single tokens (not only whole sequences): token-level mask mode, token-level
+    RS, or a token divergence option. Only then do CP ranks exchange their token rejections."""
+    return config.use_tis and ((config.tis_level == "token" and config.tis_mode == "mask")
+                               or (config.use_rs and config.rs_level == "token")
+                               or any(option.startswith("token_") for option, _, _ in config.rs_divergence))
+
+
+def token_rejections(terms: TokenTerms) -> Tensor:
+    """[N] float 0/1: usable tokens removed by a token-level stage (the rest of token_pass is ``usable``)."""
+    return terms.usable - terms.token_pass
 
 
 # --------------------------------------------------------------------------- stage 2: per-sequence table
 # Columns of the per-sequence table; across CP ranks SUM columns are added, MAX maxed, MIN minned.
-SUM_COLUMNS = ("n_valid", "n_usable", "sum_train_log_prob", "sum_log_ratio", "sum_k3", "sum_ratio_sq",
+SUM_COLUMNS = ("n_valid", "n_usable", "sum_train_log_prob", "sum_log_ratio", "sum_k3", "sum_chi2",
                "n_catastrophic", "n_token_pass", "sum_token_weight", "sum_token_weight_sq")
 MAX_COLUMNS = ("max_token_weight",)
 MIN_COLUMNS = ("min_token_weight",)
@@ -157,10 +170,12 @@ def num_columns(config: MisConfig) -> int:
 
 
 def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | None = None) -> Tensor:
-    """[B, num_columns(config)] float32 table of this rank's per-sequence statistics.
+    """[B, num_columns(config)] float64 table of this rank's per-sequence statistics (sums accumulated in
+    float64, PackedBatch.per_seq_sum).
 
-    k3_t = exp(clamp(ℓ_t)) − ℓ_t − 1 (exact for ℓ_t ≤ 20, finite beyond). The extreme columns are over
-    passing tokens: −1 (max) and 3e38 (min) for a sequence without one here (weights are in [0, e^20]).
+    k3_t = exp(clamp(ℓ_t)) − ℓ_t − 1 (exact for ℓ_t ≤ 20, finite beyond), χ²_t = ρ_t² − 1. The extreme
+    columns are over passing tokens: −1 (max) and 3e38 (min) for a sequence without one here (weights are in
+    [0, e^20]).
     Derived, not summed: n_nonfinite = n_valid − n_usable, Σ log π_rollout = Σ log π_train − Σ ℓ.
     """
     weight = terms.token_weight * terms.token_pass
@@ -168,21 +183,21 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
         "n_valid": terms.valid, "n_usable": terms.usable,
         "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
         "sum_k3": terms.k3,
-        "sum_ratio_sq": terms.token_ratio.square().mul_(terms.usable),
+        "sum_chi2": terms.chi2,
         "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
         "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,
     }
     # one sparse mat-vec per column: no [N, K] buffer is materialised (memory traffic dominates on CPU)
     columns = [batch.per_seq_sum(values[name]) for name in SUM_COLUMNS]
     not_passing = 1.0 - terms.token_pass
-    columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0))
-    columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN))
+    columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0).double())
+    columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN).double())
     table = torch.stack(columns, dim=1)
     if config is not None and config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
         extra = divergence.local_columns(layout, terms.usable, terms.estimators, terms.divergence_kept,
                                          batch.per_seq_sum,
-                                         lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE))
+                                         lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE).double())
         table = torch.cat([table, extra], dim=1)
     return table
 
@@ -241,8 +256,8 @@ def mismatch_seq_metrics(col: dict[str, Tensor]) -> dict[str, Tensor]:
         "log_ppl_diff": log_ppl_diff,
         "log_ppl_abs_diff": log_ppl_diff.abs(),
         "ppl_ratio": _clamped_exp(log_ppl_diff),
-        "chi2_token": (_safe_divide(col["sum_ratio_sq"], n_usable) - 1.0) * (n_usable > 0),
-        "chi2_seq": (2.0 * col["sum_log_ratio"].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp() - 1.0,
+        "chi2_token": _safe_divide(col["sum_chi2"], n_usable),  # Σ(ρ² − 1)/n: 0 when n = 0
+        "chi2_seq": torch.expm1(2.0 * col["sum_log_ratio"].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
     }
 
 
@@ -424,8 +439,9 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         "batch_norm_factor": factor,
         "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
         "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, torch.zeros_like(factor)),
+        # ≤ 1 by Cauchy–Schwarz; the clamp only absorbs float64 rounding
         "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30),
-                           torch.zeros_like(sum_w)),
+                           torch.zeros_like(sum_w)).clamp(max=1.0),
     }
 
     # -- miles' per-sequence extremes of the final weight over the sequence's kept tokens (0 without one)

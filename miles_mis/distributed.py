@@ -6,11 +6,12 @@ initialised; otherwise CP size is 1 and no collective is issued.
 
 Fail together: a rank never raises alone before a collective its peers are waiting in. Every exchange
 starts with ``agree``: one all-gather of a fixed-size header per rank (error flag, sequence index and
-message of a local failure, batch size, table width, the effective config as text and its fingerprint,
-and a few float64 payload slots). Every rank decodes every header and takes the same decision: if any
-rank failed or the ranks disagree, every rank raises (the failing rank its own error, the others a
-``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence table exchanged
-(``exchange_seq_stats``), with sizes the ranks have just agreed on, so a CP call makes at most two
+message of a local failure, batch size, table width, local token and token-rejection counts, the effective
+config as text and its fingerprint, and a few float64 payload slots). Every rank decodes every header and
+takes the same decision: if any rank failed or the ranks disagree, every rank raises (the failing rank its
+own error, the others a ``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence
+table exchanged (``exchange_seq_stats``), with the ranks' token-level rejections riding in the same
+collective (miles_mis.rejections, sized from the counts in the headers), so a CP call makes at most two
 collectives and never a mismatched one. The data-parallel normalisation (``dp_sum``) carries its
 numbers in the header's payload: one collective.
 """
@@ -28,7 +29,8 @@ from torch import Tensor
 
 LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
-_INTS = "<6q"  # magic, error flag, error sequence, batch size, table width, config fingerprint
+# magic, error flag, error sequence, batch size, table width, local tokens, rejected local tokens, fingerprint
+_INTS = "<8q"
 # the batch-sum vector of miles_mis.location (16) + the adaptive bound's histogram (195), and the DP exchanges'
 # numbers (at most that histogram)
 PAYLOAD_SLOTS = 224
@@ -120,6 +122,8 @@ class Header:
     error_sequence: int
     batch_size: int
     width: int
+    tokens: int  # this rank's local response tokens (-1 when it failed)
+    rejected: int  # of them, removed by a token-level stage (0 when the config rejects no single token)
     fingerprint: int
     payload: tuple[float, ...]
     message: str
@@ -132,22 +136,22 @@ def config_fingerprint(text: str) -> int:
 
 
 def encode_header(*, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
-                  config_text: str = "", payload: Sequence[float] = ()) -> bytes:
+                  tokens: int = -1, rejected: int = 0, config_text: str = "", payload: Sequence[float] = ()) -> bytes:
     message = "" if error is None else describe_error(error)
     sequence = getattr(error, "sequence_index", -1) if error is not None else -1
     values = list(payload) + [0.0] * (PAYLOAD_SLOTS - len(payload))
     return (struct.pack(_INTS, _MAGIC, int(error is not None), int(sequence), int(batch_size), int(width),
-                        config_fingerprint(config_text))
+                        int(tokens), int(rejected), config_fingerprint(config_text))
             + struct.pack(_FLOATS, *values)
             + _fixed(message, MESSAGE_BYTES) + _fixed(config_text, CONFIG_BYTES))
 
 
 def decode_header(blob: bytes) -> Header:
     ints_size, floats_size = struct.calcsize(_INTS), struct.calcsize(_FLOATS)
-    magic, error, sequence, batch_size, width, fingerprint = struct.unpack(_INTS, blob[:ints_size])
+    magic, error, sequence, batch_size, width, tokens, rejected, fingerprint = struct.unpack(_INTS, blob[:ints_size])
     payload = struct.unpack(_FLOATS, blob[ints_size:ints_size + floats_size])
     text = blob[ints_size + floats_size:]
-    return Header(bool(error), sequence, batch_size, width, fingerprint, payload,
+    return Header(bool(error), sequence, batch_size, width, tokens, rejected, fingerprint, payload,
                   _unfixed(text[:MESSAGE_BYTES]), _unfixed(text[MESSAGE_BYTES:]), magic == _MAGIC)
 
 
@@ -170,14 +174,15 @@ def describe_error(error: BaseException) -> str:
 
 
 def agree(group: Group, name: str, *, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
-          config_text: str = "", payload: Sequence[float] = ()) -> list[Header]:
+          tokens: int = -1, rejected: int = 0, config_text: str = "", payload: Sequence[float] = ()) -> list[Header]:
     """One all-gather of a fixed-size header over ``group`` (``name`` "cp" or "dp" for messages).
 
     Raises on every rank, with one message naming the rank and what is wrong, when any rank reports an
     error (the rank that failed re-raises ``error`` itself), when the ranks' configs differ (the keys and
     each rank's value), or when they disagree on the batch size or table width. Returns every header.
     """
-    blob = encode_header(error=error, batch_size=batch_size, width=width, config_text=config_text, payload=payload)
+    blob = encode_header(error=error, batch_size=batch_size, width=width, tokens=tokens, rejected=rejected,
+                         config_text=config_text, payload=payload)
     device = collective_device(group)
     local = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
     gathered = local.new_empty(group.size * HEADER_BYTES)
@@ -246,19 +251,26 @@ def _all_gather(output: Tensor, tensor: Tensor, group: Group, name: str) -> None
 
 
 # --------------------------------------------------------------------------- the O(B) exchange
-def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group) -> Tensor:
-    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths -> [C, B, K].
+def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group,
+                       extra: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths -> [C, B, K] float64, and
+    with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.rejections) -> [C, E].
 
-    Call only after ``agree`` (same B and K on every rank). Raises on every rank when the ranks
-    disagree on any sequence's lengths (the comparison runs on the gathered, identical data).
+    One collective of B·(K+3)·8 + E bytes per rank. Call only after ``agree`` (same B, K and E on every rank:
+    E is computed from the headers). Raises on every rank when the ranks disagree on any sequence's lengths
+    (the comparison runs on the gathered, identical data), before anything reads ``extra``.
     """
     num_seqs, num_stats = stats.shape
-    if num_seqs == 0:  # agreed: every rank has B = 0, nothing to exchange
-        return stats.new_zeros((cp.size, 0, num_stats))
+    extra = torch.zeros(0, dtype=torch.uint8) if extra is None else extra
+    if num_seqs == 0:  # agreed: every rank has B = 0 (so no token), nothing to exchange
+        return stats.new_zeros((cp.size, 0, num_stats), dtype=torch.float64), extra.new_zeros((cp.size, 0))
     table = torch.cat([stats.double(), lengths.to(device=stats.device, dtype=torch.float64)], dim=1).contiguous()
-    gathered = table.new_empty((cp.size * num_seqs, table.shape[1]))  # ranks concatenated along dim 0
-    _all_gather(gathered, table, cp, "cp")
-    gathered = gathered.view(cp.size, num_seqs, table.shape[1])
+    table_bytes = table.numel() * 8
+    send = torch.cat([table.view(-1).view(torch.uint8), extra.to(stats.device)])
+    gathered = send.new_empty((cp.size, send.numel()))  # ranks concatenated along dim 0
+    _all_gather(gathered.view(-1), send, cp, "cp")
+    extra_out = gathered[:, table_bytes:]
+    gathered = gathered[:, :table_bytes].contiguous().view(torch.float64).view(cp.size, num_seqs, table.shape[1])
     seq_lengths = gathered[:, :, num_stats:]
     differs = (seq_lengths != seq_lengths[:1]).any(dim=2).any(dim=0)
     if bool(differs.any()):
@@ -267,7 +279,7 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group) -> Tensor:
                                                         zip(LENGTH_COLUMNS, seq_lengths[r, i].tolist()))
                            for r in range(cp.size))
         raise PeerFailure(f"sequence {i}: context-parallel ranks disagree on its lengths ({values})")
-    return gathered[:, :, :num_stats].to(stats.dtype)
+    return gathered[:, :, :num_stats], extra_out
 
 
 def dp_reduce(values: Tensor, group: Group, config_text: str, reduce: Sequence[str]) -> Tensor:

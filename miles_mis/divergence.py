@@ -2,7 +2,7 @@
 
 With ℓ_t the clamped log ratio log(π_train/π_rollout) of a usable token (0 elsewhere):
 
-    k1_t = −ℓ_t          k2_t = ℓ_t² / 2          k3_t = e^{ℓ_t} − ℓ_t − 1
+    k1_t = −ℓ_t          k2_t = ℓ_t² / 2          k3_t = e^{ℓ_t} − ℓ_t − 1 = expm1(ℓ_t) − ℓ_t
 
 An option "<aggregation>_<k>" tests, per token (token) or per sequence (seq_sum: Σ_t k_t, seq_mean:
 Σ_t k_t / n, seq_max: max_t k_t):
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import ops
 from .ops import LOG_RATIO_CLAMP, indicator
 
 NO_VALUE = -3.0e38  # max-column value of a sequence without a usable token
@@ -35,11 +36,11 @@ def split_option(option: str) -> tuple[str, str]:
     return aggregation, estimator
 
 
-def token_estimators(log_ratio: Tensor, token_ratio: Tensor) -> dict[str, Tensor]:
-    """k1, k2, k3 per token from the clamped ℓ (0 where not usable, where every k is 0)."""
+def token_estimators(log_ratio: Tensor) -> dict[str, Tensor]:
+    """k1, k2, k3 per token from the clamped ℓ (0 where not usable, where every k is 0); k3 = expm1(c) − c in
+    float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree)."""
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    # k3 clamped at 0: float32 rounding makes ρ − ℓ − 1 slightly negative for |ℓ| ~ 1e-7
-    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": (token_ratio - clamped).sub_(1.0).clamp_(min=0.0)}
+    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": ops.k3(clamped, clamped)}
 
 
 def within(statistic: Tensor, estimator: str, lower: float | None, upper: float) -> Tensor:

@@ -7,7 +7,7 @@ weight and mask of the micro-batch is 0 (no gradient from it), ``mis_batch_gated
 the statistic and its value. Over the usable tokens of every CP rank (and of every DP rank with
 ``rs_batch_gate_scope: dp``):
 
-    k3                 = Σ_t k3_t / n            (k3_t = max(ρ_t − ℓ_t − 1, 0))
+    k3                 = Σ_t k3_t / n            (k3_t = ρ_t − ℓ_t − 1 = expm1(clamp(ℓ_t)) − ℓ_t)
     kl                 = Σ_t (−ℓ_t) / n          (mean log π_rollout − log π_train)
     max_abs_log_ratio  = max_t |ℓ_t|
 

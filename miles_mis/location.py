@@ -1,7 +1,8 @@
 """Where the mismatch lives, as live metrics: k3 on the first response token, on tokens the engine found
 unlikely, and by position along the response.
 
-With k3_t = max(ρ_t − ℓ_t − 1, 0) on a usable token (0 elsewhere) and p_t = π_rollout(t):
+With k3_t = ρ_t − ℓ_t − 1 = expm1(clamp(ℓ_t)) − ℓ_t (float64) on a usable token (0 elsewhere) and
+p_t = π_rollout(t):
 
     mis_k3_first_token        = Σ_{t first of its response} k3_t / #{such usable tokens}
     mis_k3_low_rollout_prob   = Σ_{p_t < θ} k3_t / #{usable t: p_t < θ}      θ = metrics_low_prob_threshold
@@ -43,15 +44,15 @@ def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_prob
     ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by response-position bucket (POSITION_EDGES), e.g.
     ``PackedBatch.per_bucket_sum``.
     """
+    k3, usable = k3.double(), usable.double()  # float64 sums: CP ranks' partial sums add up to cp = 1's
     low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
     if log_ratio.numel():
         smallest, largest = torch.aminmax(log_ratio)
         largest = torch.maximum(largest, -smallest)
     else:
         largest = log_ratio.new_zeros(())
-    # float32 sums, cast once (exact); the usable count is the sum of the bucket counts, in float64
-    sums = torch.cat([torch.stack([torch.dot(k3, low), torch.dot(usable, low)]), bucket_sum(k3),
-                      bucket_sum(usable)]).double()
+    # the usable count is the sum of the bucket counts
+    sums = torch.cat([torch.stack([torch.dot(k3, low), torch.dot(usable, low)]), bucket_sum(k3), bucket_sum(usable)])
     return torch.cat([sums, sums[-len(BUCKET_NAMES):].sum().reshape(1), largest.double().reshape(1)])
 
 

@@ -6,6 +6,36 @@ import torch
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps every weight and sum of weights finite in float32
+# A log-prob at or beyond ±LOG_PROB_BOUND is a fill value, not a log-prob (no float32 softmax gets near
+# −1e4: its smallest positive probability is ~1e-45, log ≈ −103): treated exactly like NaN/inf.
+LOG_PROB_BOUND = 1e4
+_BELOW_BOUND = float(torch.nextafter(torch.tensor(LOG_PROB_BOUND, dtype=torch.float32),
+                                     torch.tensor(0.0, dtype=torch.float32)))  # the largest float32 < 1e4
+
+
+def k3(exp_argument: Tensor, log_ratio: Tensor) -> Tensor:
+    """k3 = e^a − ℓ − 1 = expm1(a) − ℓ, evaluated in float64 (a = ``exp_argument``, the clamped log ratio;
+    ℓ = ``log_ratio``, clamped or not): float64 [N], ≥ 0.
+
+    Why float64 expm1: k3 ≈ ℓ²/2 when the engines nearly agree (5e-9 at ℓ = 1e-4), far below float32's
+    resolution of e^ℓ near 1 (6e-8), so e^ℓ − ℓ − 1 in float32 cancels to 0 or to a rounding step (−98 % at
+    log-ratio σ = 1e-4); even float32 expm1(ℓ) − ℓ loses ~1 % at ℓ = 1e-5. In float64 the relative error is
+    below 1e-9 for every |ℓ| ≥ 1e-7 (benchmarks/bench_precision.py). The max only guards rounding at ℓ ≈ 0.
+    """
+    return torch.expm1(exp_argument.double()).sub_(log_ratio.double()).clamp_(min=0.0)
+
+
+def to_float32_log_probs(values: Tensor) -> Tensor:
+    """Log-probs as float32, with the fill-value test (|log p| ≥ LOG_PROB_BOUND) taken on the values as given:
+    a float64 −9999.99999999 is a log-prob, though float32 rounds it to −1e4 (it becomes the largest float32
+    inside the bound instead). Only float64 can round across the bound (float16/bfloat16 convert exactly)."""
+    converted = values.float()
+    if values.dtype != torch.float64:
+        return converted
+    crossed = (converted.abs() >= LOG_PROB_BOUND) & (values.abs() < LOG_PROB_BOUND)
+    if bool(crossed.any()):  # one read, float64 input only
+        converted = torch.where(crossed, torch.copysign(torch.tensor(_BELOW_BOUND), values).float(), converted)
+    return converted
 
 
 def indicator(compare, a: Tensor, b) -> Tensor:

@@ -15,12 +15,12 @@ import logging
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from . import core, distributed, gate
+from . import core, distributed, gate, rejections
 from .config import MisConfig
 from .layout import QKV_FORMATS, zigzag_layout
 
@@ -184,13 +184,10 @@ def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
     """The DP group a rank whose config failed to build would have used, read from the raw attributes: such
     a rank must still join its DP peers' exchange (normalisation, batch gate or adaptive bound, with its error)
     so that they do not wait."""
-    use_tis = getattr(args, "use_tis", False) is True
-    wants = use_tis and ((getattr(args, "tis_batch_normalize_scope", None) == "dp"
-                          and getattr(args, "tis_batch_normalize", False) is True)
-                         or (getattr(args, "rs_batch_gate_scope", None) == "dp"
-                             and bool(getattr(args, "rs_batch_gate", None)))
-                         or (getattr(args, "tis_auto_scope", None) == "dp"
-                             and getattr(args, "tis_upper_bound", None) == "auto"))
+    use_tis = _raw(args, "use_tis") is True
+    wants = use_tis and ((_raw(args, "tis_batch_normalize_scope") == "dp" and _raw(args, "tis_batch_normalize") is True)
+                         or (_raw(args, "rs_batch_gate_scope") == "dp" and bool(_raw(args, "rs_batch_gate")))
+                         or (_raw(args, "tis_auto_scope") == "dp" and _raw(args, "tis_upper_bound") == "auto"))
     try:
         return distributed.resolve_dp_group(parallel_state) if wants else distributed.SINGLE
     except Exception:  # noqa: BLE001 (no group to join: the error is raised locally below)
@@ -204,8 +201,15 @@ def config_text(config: MisConfig, qkv_format: str) -> str:
     return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
 
 
+def _raw(args: Any, name: str) -> Any:
+    """A host setting as given: an attribute of a Namespace, or a key of a mapping used as the config."""
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
 def _qkv_format(args: Any) -> str:
-    value = getattr(args, "qkv_format", None) or "thd"
+    value = _raw(args, "qkv_format") or "thd"
     if value not in QKV_FORMATS:
         raise ValueError(f"qkv_format={value!r} is invalid: allowed values are {', '.join(QKV_FORMATS)}")
     return value
@@ -220,6 +224,8 @@ class _Local:
     terms: core.TokenTerms  # with an adaptive token-level bound: not yet bounded (the bound needs every rank)
     text: str
     batch_values: Tensor  # this rank's batch sums (and bound histogram), combined over CP in the agreement header
+    rejected: Tensor | None  # [N] 0/1 tokens removed at token level, under CP with a config that can (else None)
+    num_rejected: int = 0
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None) -> _Local:
@@ -229,9 +235,7 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, q
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
                             response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format)
     num_tokens = packed.batch.train_log_probs.numel()
-    problem = _tensor_problem(pg_loss, packed.batch.train_log_probs.device, log_probs=True)
-    if problem is None and not pg_loss.is_floating_point():
-        problem = f"has dtype {pg_loss.dtype}: the loss is floating point (the weights would be cast to it)"
+    problem = _tensor_problem(pg_loss, packed.batch.train_log_probs.device, "loss")
     if problem is None and pg_loss.numel() != num_tokens:
         problem = (f"has shape {tuple(pg_loss.shape)} but the {packed.batch.num_seqs} sequences hold {num_tokens} "
                    f"local tokens: expected shape ({num_tokens},)")
@@ -239,8 +243,10 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, q
         problem = problem.replace("sequence 0 is on", "the log-probs are on")
         raise InputError(f"pg_loss {problem}")
     terms = core.token_terms(packed.batch, config)
+    rejected = core.token_rejections(terms) if cp.size > 1 and core.rejects_tokens(config) else None
     return _Local(config, packed, terms, config_text(config, qkv_format),
-                  core.local_batch_values(packed.batch, terms, config))
+                  core.local_batch_values(packed.batch, terms, config), rejected,
+                  0 if rejected is None else int(rejected.sum()))
 
 
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
@@ -266,6 +272,8 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
             headers = distributed.agree(cp, "cp", error=error,
                                         batch_size=-1 if local is None else local.packed.batch.num_seqs,
                                         width=-1 if local is None else core.num_columns(local.config),
+                                        tokens=-1 if local is None else local.packed.batch.seq_index.numel(),
+                                        rejected=0 if local is None else local.num_rejected,
                                         config_text=text,
                                         payload=() if local is None else local.batch_values.tolist())
             size = local.batch_values.numel()
@@ -286,14 +294,20 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
     terms, bound = core.bound_token_terms(local.terms, batch_values.to(local.terms.token_ratio.device), config,
                                           reduce_histogram=dp_sum if scopes.token_bound else None)
     stats = core.local_seq_stats(packed.batch, terms, config)
+    rejected_positions = None
     if cp.size > 1:
+        encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers])
         try:
-            stats = distributed.exchange_seq_stats(stats, packed.length_table, cp)
+            stats, gathered = distributed.exchange_seq_stats(
+                stats, packed.length_table, cp,
+                rejections.encode(local.rejected, encoding) if local.rejected is not None else None)
         except Exception as failure:  # noqa: BLE001
             if dp.size > 1 and scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
                 distributed.agree(dp, "dp", error=failure, config_text=text)
             raise
-        stats = core.combine_seq_stats(stats, config).float()
+        stats = core.combine_seq_stats(stats, config)
+        rejected_positions = rejections.positions(*rejections.decode(gathered, encoding), packed.length_table,
+                                                  cp.size)
     reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
                    if dp.size > 1 and scopes.gate else None)
     correction = core.finalize(packed.batch, terms, stats, config,
@@ -302,11 +316,24 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
                                reduce_histogram=dp_sum if scopes.seq_bound else None)
     _log(correction, cp)
     if correction.weights is not None:
-        weighted = pg_loss * correction.weights.to(pg_loss.dtype)
-        # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
-        pg_loss = torch.where(correction.token_keep > 0, weighted, torch.zeros_like(weighted))
-    masks = list(_full_masks(packed, correction).split_with_sizes(packed.response_lengths))
+        pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
+    masks = list(_full_masks(packed, correction, rejected_positions).split_with_sizes(packed.response_lengths))
     return pg_loss, masks, correction.metrics
+
+
+def weigh_loss(pg_loss: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
+    """pg_loss × weights where ``keep`` is nonzero, exactly 0 elsewhere (where, not a bare product: a NaN
+    pg_loss on a rejected token must not survive as NaN·0), in pg_loss's dtype.
+
+    The product is taken in float32 at least and then cast: a float16 loss of 0.1 times a weight of 1.6e5
+    (beyond float16's range) is 1.6e4, which float16 holds. A product beyond the dtype's range saturates at
+    its largest finite value (only float16 has a range a weight ≤ e^20 can leave)."""
+    compute = torch.promote_types(pg_loss.dtype, torch.float32)
+    weighted = pg_loss.to(compute) * weights.to(compute)
+    if compute != pg_loss.dtype:
+        largest = torch.finfo(pg_loss.dtype).max
+        weighted = weighted.clamp(-largest, largest).to(pg_loss.dtype)
+    return torch.where(keep.to(weighted.device) > 0, weighted, torch.zeros_like(weighted))
 
 
 @dataclass(frozen=True)
@@ -318,11 +345,11 @@ class PackedInputs:
     length_table: Tensor | None  # [B, 3] response, total, span lengths, exchanged to check CP agreement
 
 
-def _full_masks(packed: PackedInputs, correction: core.Correction) -> Tensor:
+def _full_masks(packed: PackedInputs, correction: core.Correction, rejected_positions: Tensor | None = None) -> Tensor:
     """Flat full-length modified masks: the input mask values (dtype too) with rejected tokens set to 0, so a
     kept token keeps its value (0.5 stays 0.5). Metrics-only: the input values unchanged (a new tensor).
-    Under CP, positions of other ranks carry this call's sequence-level decisions (their token-level
-    decisions stay on their owners, who are the only ranks that read those positions)."""
+    Under CP, identical on every rank and equal to cp = 1: the sequence-level decisions (identical on every
+    rank) times the token-level rejections of every rank (``rejected_positions``, exchanged with the table)."""
     masks = packed.full_masks
     if correction.weights is None:
         return masks
@@ -330,7 +357,8 @@ def _full_masks(packed: PackedInputs, correction: core.Correction) -> Tensor:
     if packed.local_positions is not None:
         keep = correction.seq_keep.to(keep.dtype).repeat_interleave(
             _long_tensor(packed.response_lengths, masks.device), output_size=masks.numel())
-        keep = keep.index_copy_(0, packed.local_positions, correction.token_keep)
+        if rejected_positions is not None and rejected_positions.numel():
+            keep = keep.index_fill_(0, rejected_positions.to(masks.device), 0.0)
     return _zero_rejected(masks, keep)
 
 
@@ -432,6 +460,9 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
             raise InputError("the per-sequence tensors could not be joined (" + ", ".join(
                 f"{name}: {f.dtype} {f.layout} on {f.device}" for (name, _), f in zip(lists, flat or ())) + ")")
         _raise_shape_error(bad, train_log_probs, rollout_log_probs, loss_masks)
+    for name, seq in lists[:2]:  # torch.cat promotes an integer sequence among floats: test each dtype
+        if not all(dtype.is_floating_point for dtype in set(map(_DTYPE, seq))):
+            _raise_first_bad(lists)
     train, rollout, full_masks = flat
     device = train.device
     full_masks = full_masks.to(device)
@@ -479,7 +510,8 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> core
             raise InputError(f"cu_seqlens has dtype {value.dtype}: expected torch.int64 offsets (cu_seqlens.long())")
         shape = ("a 1-D [B+1] tensor of offsets" if name == "cu_seqlens"
                  else "a flat 1-D [N] tensor (the B responses concatenated)")
-        problem = _tensor_problem(value, device, name != "loss_mask", device_of="train_log_probs",
+        kind = {"loss_mask": "masks", "cu_seqlens": "offsets"}.get(name, "log-probs")
+        problem = _tensor_problem(value, device, kind, device_of="train_log_probs",
                                   one_device="all inputs on one device", shape=shape)
         if problem:
             raise InputError(f"{name} {problem}")
@@ -562,9 +594,15 @@ def _plain_1d(tensor: Tensor) -> bool:
             and not tensor.is_complex())
 
 
-def _tensor_problem(value: Any, device: Any, log_probs: bool, device_of: str = "sequence 0",
+_DTYPE = operator.attrgetter("dtype")
+_REAL = {"log-probs": "log-probs are real", "masks": "masks are real", "loss": "the loss is real",
+         "offsets": "offsets are integers"}
+
+
+def _tensor_problem(value: Any, device: Any, kind: str, device_of: str = "sequence 0",
                     one_device: str = "every sequence on one device", shape: str = "a 1-D tensor") -> str | None:
-    """What is wrong with one per-sequence entry (or one flat tensor of the packed path), or None."""
+    """What is wrong with one per-sequence entry (or one flat tensor of the packed path, or pg_loss), or None.
+    ``kind``: "log-probs", "masks", "loss" or "offsets" (what the messages call it)."""
     if not isinstance(value, Tensor):
         return f"is a {type(value).__name__}, not a tensor"
     if value.is_nested:
@@ -578,7 +616,11 @@ def _tensor_problem(value: Any, device: Any, log_probs: bool, device_of: str = "
     if device is not None and value.device != device:
         return f"is on {value.device} but {device_of} is on {device}: {one_device}"
     if value.is_complex():
-        return f"has dtype {value.dtype}: " + ("log-probs are real" if log_probs else "masks are real")
+        return f"has dtype {value.dtype}: {_REAL[kind]}"
+    if kind == "log-probs" and not value.is_floating_point():
+        return f"has dtype {value.dtype}: log-probs are floating point (a {value.dtype} tensor is not a log-prob)"
+    if kind == "loss" and not value.is_floating_point():
+        return f"has dtype {value.dtype}: the loss is floating point (the weights would be cast to it)"
     if value.ndim != 1:
         return f"has shape {tuple(value.shape)}: expected {shape}"
     return None
@@ -592,7 +634,7 @@ def _raise_first_bad(lists) -> None:
         first_device[name] = head.device if isinstance(head, Tensor) and not head.is_meta else None
     for i in range(max(len(seq) for _, seq in lists)):
         for name, seq in lists:
-            problem = _tensor_problem(seq[i], first_device[name], name != "loss_masks")
+            problem = _tensor_problem(seq[i], first_device[name], "masks" if name == "loss_masks" else "log-probs")
             if problem:
                 raise InputError(f"sequence {i}: {name}[{i}] {problem}", i)
 

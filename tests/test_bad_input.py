@@ -1,12 +1,13 @@
 """Bad input: clear errors, or a defined, counted behaviour; never NaN or inf."""
 
 import math
+import re
 
 import pytest
 import torch
 from conftest import call_plugin as call
 
-from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
+from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed, compute_mis_weights_with_cp
 
 FULL = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
 ALL_CONFIGS = [FULL] + [MisConfig(use_tis=True, tis_level=level, tis_mode=mode, use_rs=True, rs_level=level,
@@ -187,3 +188,38 @@ def test_huge_finite_fill_values_stay_finite():
     for cfg in ALL_CONFIGS + [MisConfig(use_tis=False)]:
         loss, masks, metrics = call(cfg, train, rollout, [torch.ones(3), torch.ones(1)])
         assert_all_finite(loss, metrics)
+
+
+def test_float16_loss_is_weighted_in_float32_then_cast():
+    # weight e^12 ≈ 1.6e5 is beyond float16, the product 0.1 × 1.6e5 ≈ 1.6e4 is not: it must come out finite
+    config = MisConfig(use_tis=True, tis_upper_bound=1e6)
+    ell = 12.0
+    loss, _, _ = call(config, train=[torch.tensor([ell, 0.0])], rollout=[torch.zeros(2)], masks=[torch.ones(2)],
+                      pg_loss=torch.tensor([0.1, 0.1], dtype=torch.float16))
+    assert loss.dtype == torch.float16 and bool(torch.isfinite(loss).all())
+    want = torch.tensor(0.1, dtype=torch.float16).float() * math.exp(ell)
+    assert float(loss[0]) == pytest.approx(float(want), rel=1e-3)
+    # a product beyond float16's range saturates at its largest finite value instead of inf
+    loss, _, _ = call(config, train=[torch.tensor([ell, 0.0])], rollout=[torch.zeros(2)], masks=[torch.ones(2)],
+                      pg_loss=torch.tensor([1.0, -1.0], dtype=torch.float16))
+    assert float(loss[0]) == torch.finfo(torch.float16).max and float(loss[1]) == -1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_or_bool_log_probs_are_refused(dtype):
+    good = torch.tensor([-1.0, -2.0])
+    bad = torch.tensor([1, 0], dtype=dtype)
+    for train, rollout, which in (([bad, bad], [good, good], "train_log_probs[0]"),
+                                  ([good, good], [good, bad], "rollout_log_probs[1]")):  # a mixed list too
+        with pytest.raises(ValueError, match=rf"sequence \d: {re.escape(which)} has dtype {dtype}: log-probs are "
+                                             "floating point"):
+            compute_mis_weights(FULL, train_log_probs=train, rollout_log_probs=rollout, loss_masks=[torch.ones(2)] * 2)
+    with pytest.raises(ValueError, match=rf"rollout_log_probs has dtype {dtype}: log-probs are floating point"):
+        compute_mis_weights_packed(FULL, train_log_probs=good, rollout_log_probs=bad, loss_mask=torch.ones(2),
+                                   cu_seqlens=torch.tensor([0, 2]))
+
+
+def test_complex_loss_says_the_loss_is_real():
+    with pytest.raises(ValueError, match=r"pg_loss has dtype torch.complex64: the loss is real"):
+        call(FULL, train=[torch.zeros(2)], rollout=[torch.zeros(2)], masks=[torch.ones(2)],
+             pg_loss=torch.zeros(2, dtype=torch.complex64))

@@ -56,9 +56,9 @@ def reference_bucket_sum(values, positions, edges):
 def check_bucket_sums(batch, values):
     for edges in (EDGES, (0, 3), (0,), (0, 2, 5, 7)):
         got = batch.per_bucket_sum(values, edges)
-        assert got.shape == (len(edges),) and got.dtype == torch.float32
+        assert got.shape == (len(edges),) and got.dtype == torch.float64  # accumulated in float64
         want = torch.tensor(reference_bucket_sum(values, batch.positions, edges), dtype=torch.float64)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert got.tolist() == [0.0 if w == 0 else g for g, w in zip(got.tolist(), want.tolist())]  # empty: exact 0
 
 
@@ -73,9 +73,9 @@ def check_batch(batch, lengths, seed=0):
     gen = torch.Generator().manual_seed(seed + 1)
     values = torch.randn(n, generator=gen) * 10
     got = batch.per_seq_sum(values)
-    assert got.shape == (b,) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), torch.tensor(reference_sum(values, lengths), dtype=torch.float64),
-                               rtol=1e-5, atol=1e-4)
+    assert got.shape == (b,) and got.dtype == torch.float64  # accumulated in float64
+    torch.testing.assert_close(got, torch.tensor(reference_sum(values, lengths), dtype=torch.float64),
+                               rtol=1e-12, atol=1e-12)
     for reduce, empty in (("amax", EMPTY_MAX), ("amin", EMPTY_MIN), ("amax", -3.0e38)):
         got = batch.per_seq_extreme(values, reduce, empty)
         assert got.shape == (b,) and got.dtype == torch.float32
