@@ -3,8 +3,9 @@
 Real gloo process groups on this machine (torch.multiprocessing spawn), cp = 2 and 4, B = 256 responses
 with lengths uniform in [T/4, T], T = 8192, prompts of 256 tokens, three configs (CONFIGS).
 
-  ours      compute_mis_weights_with_cp: an all-gather of a fixed 3888-byte agreement header (errors, sizes,
-            config fingerprint: docs/reliability.md), then one of a [B, 15] float64 table per rank
+  ours      compute_mis_weights_with_cp: an all-gather of a fixed 3904-byte agreement header (errors, sizes,
+            config fingerprint: docs/reliability.md), then one of a [B, 15] float64 table per rank, with the
+            token-level rejections (bits or indices, whichever is smaller; nothing when there are none)
   baseline  what miles' example does before its per-sequence loop: for every sequence, each of the two
             log-prob tensors is zero-padded to the full response and all-reduced over the CP group
             (2·B collectives of O(tokens) bytes), then the full-sequence computation runs on every rank

@@ -2,7 +2,12 @@
 
 It loops over sequences and tokens in float64 and shares no code with miles_mis.core, so the
 fast path can be checked against it. Returns the same things as ``compute_mis_weights``:
-(weights per sequence or None, kept masks per sequence, metrics name -> per-sequence lists).
+(weights per sequence or None, masks per sequence (the input mask values, 0 on tokens not kept),
+metrics name -> per-sequence lists).
+
+Every formula is evaluated so that float64 gives it exactly: k3 = expm1(c) − ℓ and ρ² − 1 = expm1(2c) (no
+cancellation when the engines nearly agree), χ²_seq = expm1(2·clamp(L)), and k1 ranges compared in log space
+(a sequence's Σ k1 can pass ±709, where exp overflows).
 """
 
 from __future__ import annotations
@@ -16,8 +21,24 @@ LOG_PROB_BOUND = 1e4
 POSITION_BUCKETS = ((0, 1), (1, 16), (16, 128), (128, 1024), (1024, 8192), (8192, math.inf))
 
 
+def _clamp(x: float) -> float:
+    return min(max(x, -CLAMP), CLAMP)
+
+
 def _exp(x: float) -> float:
-    return math.exp(min(max(x, -CLAMP), CLAMP))
+    return math.exp(_clamp(x))
+
+
+def _k3(ell: float, subtracted: float) -> float:
+    """max(e^{clamp(ℓ)} − x − 1, 0) written as expm1(clamp(ℓ)) − x: exact in float64 for tiny log ratios, where
+    e^c − c − 1 cancels. ``subtracted`` is ℓ itself (the mismatch k3: k3_kl, location, gate) or clamp(ℓ)
+    (the divergence estimator); the two differ only for |ℓ| > 20."""
+    return max(math.expm1(_clamp(ell)) - subtracted, 0.0)
+
+
+def _chi2(ell: float) -> float:
+    """ρ² − 1 = expm1(2·clamp(ℓ)), without the cancellation of ρ² − 1 near ρ = 1."""
+    return math.expm1(2.0 * _clamp(ell))
 
 
 def _bound(rho: float, mode: str, lower: float, upper: float) -> tuple[float, bool]:
@@ -41,13 +62,14 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
 
 
 def _estimators(ell: float) -> dict[str, float]:
-    c = min(max(ell, -CLAMP), CLAMP)
-    return {"k1": -c, "k2": c * c / 2, "k3": max(math.exp(c) - c - 1, 0.0)}
+    c = _clamp(ell)
+    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c)}
 
 
 def _keeps(estimator: str, value: float, lower, upper) -> bool:
-    if estimator == "k1":  # the ratio exp(-k1) must lie in [lower, upper]
-        return lower <= math.exp(-value) <= upper
+    if estimator == "k1":  # the ratio exp(-k1) must lie in [lower, upper]: compared in log space, since
+        # a seq_sum k1 beyond ±709 would overflow exp (−log U ≤ k1 ≤ −log L)
+        return -math.log(upper) <= value <= -math.log(lower)
     return value <= upper
 
 
@@ -100,7 +122,7 @@ def divergence_reference(cfg, sequences, put):
 def batch_level_reference(cfg, sequences, put) -> bool:
     """Where the mismatch lives (location.py) and the batch gate (gate.py), token by token; returns gated."""
     usable = [t for toks in sequences for t in toks if t["usable"]]
-    k3 = lambda t: max(_exp(t["ell"]) - t["ell"] - 1, 0.0)  # noqa: E731
+    k3 = lambda t: _k3(t["ell"], t["ell"])  # noqa: E731
 
     def mean_k3(tokens):
         return sum(k3(t) for t in tokens) / len(tokens) if tokens else 0.0
@@ -131,14 +153,16 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
         train = [float(x) for x in train_t.double()]
         rollout = [float(x) for x in rollout_t.double()]
-        valid = [float(m) != 0.0 for m in mask_t]
+        mask = [float(m) for m in mask_t]
+        valid = [m != 0.0 for m in mask]
         tokens = []
-        for position, (a, b, v) in enumerate(zip(train, rollout, valid)):
+        for position, (a, b, v, m) in enumerate(zip(train, rollout, valid, mask)):
             finite = abs(a) < LOG_PROB_BOUND and abs(b) < LOG_PROB_BOUND  # False for NaN, ±inf, fill values
             usable = v and finite
             ell = (a - b) if usable else 0.0
             tokens.append(dict(valid=v, usable=usable, nonfinite=v and not finite, ell=ell, rho=_exp(ell),
-                               train=a if usable else 0.0, rollout=b if usable else 0.0, position=position))
+                               train=a if usable else 0.0, rollout=b if usable else 0.0, position=position,
+                               mask=m))
         sequences.append(tokens)
 
     metrics = {}
@@ -159,18 +183,17 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
             "training_log_ppl": -mean_train, "training_ppl": _exp(-mean_train),
             "rollout_log_ppl": -mean_rollout, "rollout_ppl": _exp(-mean_rollout),
             "kl": diff, "log_ppl_diff": diff, "log_ppl_abs_diff": abs(diff), "ppl_ratio": _exp(diff),
-            "k3_kl": sum(max(_exp(t["ell"]) - t["ell"] - 1, 0.0) for t in usable) / count,
-            "chi2_token": (sum(_exp(t["ell"]) ** 2 for t in usable) / count - 1.0) if usable else 0.0,
-            "chi2_seq": _exp(2 * sum_ell) if abs(sum_ell) <= CLAMP else math.exp(2 * math.copysign(CLAMP, sum_ell)),
+            "k3_kl": sum(_k3(t["ell"], t["ell"]) for t in usable) / count,
+            "chi2_token": sum(_chi2(t["ell"]) for t in usable) / count,  # 0 without a usable token
+            "chi2_seq": math.expm1(2 * _clamp(sum_ell)),  # (Π ρ)² − 1 = exp(2·clamp(L)) − 1
         }
-        per_seq["chi2_seq"] -= 1.0
         for name, value in per_seq.items():
             put(name, i, [value] * n)
         put("nonfinite_token_fraction", i, [float(t["nonfinite"]) for t in toks])
 
     gated = batch_level_reference(cfg, sequences, put)
-    if not cfg.use_tis:
-        masks = [[float(t["valid"]) for t in toks] for toks in sequences]
+    if not cfg.use_tis:  # the input mask values, unchanged
+        masks = [[t["mask"] for t in toks] for toks in sequences]
         return None, masks, metrics
 
     # ---- weights, rejections
@@ -202,8 +225,9 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
     else:  # every kept sequence, counted once per kept token (truncation rejects nothing: any bound will do)
         _, first_masks, _ = _weigh(cfg, sequences, lambda *a: None, {}, level_ratio, gated, div_token_rejected,
                                    div_seq_rejected, math.inf)
-        population = [(level_ratio(cfg.tis_level, None, toks), sum(mask))
-                      for toks, mask in zip(sequences, first_masks) if sum(mask) > 0]
+        kept_counts = [sum(m != 0.0 for m in mask) for mask in first_masks]
+        population = [(level_ratio(cfg.tis_level, None, toks), kept)
+                      for toks, kept in zip(sequences, kept_counts) if kept > 0]
     upper, ess_before, ess_after = auto_upper_bound(population, cfg.tis_auto_bounds, cfg.tis_auto_target_ess)
     for name, value in (("tis_upper_bound_effective", upper), ("ess_before_bound", ess_before),
                         ("ess_after_bound", ess_after)):
@@ -306,5 +330,6 @@ def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected,
         put("is_ratio_max_final", i, [max(kept_here) if kept_here else 0.0] * len(toks))
         for name, value in batch.items():
             put(name, i, [value] * len(toks))
-    masks = [[float(k) for k in ks] for ks in keeps]
+    # a kept token keeps its mask value (0.5 stays 0.5), every other token 0
+    masks = [[t["mask"] if k else 0.0 for t, k in zip(toks, ks)] for toks, ks in zip(sequences, keeps)]
     return weights, masks, metrics

@@ -146,9 +146,11 @@ def fault_worker(rank, size):
 
 def count_collectives_worker(rank, size):
     """Exactly two collectives per call, whatever the batch size: the fixed-size agreement header, then the
-    O(B) table."""
+    O(B) table (bytes), with the token-level rejections when a rank has one: the cheaper of a bit per local
+    token and an int32 index per rejection, rounded up to 8 bytes, sized by the largest rank."""
     from miles_mis.core import num_columns
     from miles_mis.distributed import HEADER_BYTES
+    from miles_mis.layout import zigzag_layout
 
     calls = []
     original = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
@@ -168,7 +170,22 @@ def count_collectives_worker(rank, size):
                                tis_batch_normalize=True)
             compute_mis_weights_with_cp(SimpleNamespace(**config.to_dict()), pg_loss=local_pg,
                                         parallel_state=cp_state(rank, size), **kwargs)
-            assert calls[before:] == [HEADER_BYTES, num_seqs * (num_columns(config) + 3)]
+            table_bytes = num_seqs * (num_columns(config) + 3) * 8
+            assert calls[before:] == [HEADER_BYTES, table_bytes]
+            # token-level rejections (token MIS): every rank's rejections, encoded, in the same second collective
+            totals, responses = torch.tensor(full["total_lengths"]), torch.tensor(full["response_lengths"])
+            tokens = max(int(zigzag_layout(totals, responses, r, size).local_lengths.sum()) for r in range(size))
+            for lower, upper in ((0.999, 1.001), (0.7, 1.4)):  # most tokens rejected, then a few
+                config = MisConfig(use_tis=True, tis_mode="mask", tis_lower_bound=lower, tis_upper_bound=upper)
+                before = len(calls)
+                _, masks, _ = compute_mis_weights_with_cp(SimpleNamespace(**config.to_dict()), pg_loss=local_pg,
+                                                          parallel_state=cp_state(rank, size), **kwargs)
+                dropped = (torch.cat(full["loss_masks"]) != 0) & (torch.cat(masks) == 0)  # identical on every rank
+                rejected = max(int(dropped[shard(full, pg_loss, r, size, "thd")[2]].sum()) for r in range(size))
+                assert rejected > 0 or upper > 1.01  # the tight band rejects; the loose one may not, at B = 3
+                words = lambda size_in_bytes: -(-size_in_bytes // 8) * 8  # noqa: E731
+                extra = min(words(-(-tokens // 8)), words(4 * rejected))  # 0 when no rank rejected a token
+                assert calls[before:] == [HEADER_BYTES, table_bytes + extra], (lower, rejected, calls[before:])
     finally:
         setattr(dist, name, original)
 
@@ -186,6 +203,34 @@ def _faults_and_count(rank, size):
     fault_worker(rank, size)
     count_collectives_worker(rank, size)
     host_worker(rank, size)
+    long_response_worker(rank, size)
+
+
+def long_response_worker(rank, size):
+    """Responses of 6000 and 100k tokens: every metric and the loss at cp 2 within 1e-6 relative of cp 1 (the
+    per-sequence table is summed in float64: float32 partial sums drifted by 2e-5 on 6000 tokens)."""
+    gen = torch.Generator().manual_seed(21)
+    lengths = [6000, 100_000, 37]
+    train = [-torch.rand(n, generator=gen) * 3.0 for n in lengths]
+    full = dict(train_log_probs=train, rollout_log_probs=[t + 0.02 * torch.randn(t.shape, generator=gen) for t in train],
+                loss_masks=[(torch.rand(n, generator=gen) > 0.1).float() for n in lengths],
+                total_lengths=[n + 100 for n in lengths], response_lengths=lengths, max_seq_lens=None)
+    pg_loss = torch.randn(sum(lengths), generator=gen)
+    for config in (MisConfig(use_tis=True, tis_mode="icepop", tis_lower_bound=0.95, tis_upper_bound=1.05,
+                             tis_batch_normalize=True),
+                   MisConfig(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.99,
+                             rs_upper_bound=1.01, tis_batch_normalize=True, rs_divergence={"seq_mean_k3": 1e-3})):
+        args = SimpleNamespace(**config.to_dict(), qkv_format="thd")
+        ref_loss, ref_masks, ref_metrics = compute_mis_weights_with_cp(args, pg_loss=pg_loss,
+                                                                       parallel_state=cp_state(0, 1), **full)
+        kwargs, local_pg, positions = shard(full, pg_loss, rank, size, "thd")
+        loss, masks, metrics = compute_mis_weights_with_cp(args, pg_loss=local_pg,
+                                                           parallel_state=cp_state(rank, size), **kwargs)
+        torch.testing.assert_close(loss, ref_loss[positions], rtol=1e-6, atol=1e-9)
+        assert all(torch.equal(m, r) for m, r in zip(masks, ref_masks))
+        assert sorted(metrics) == sorted(ref_metrics)
+        for name, value in metrics.items():
+            torch.testing.assert_close(value, ref_metrics[name][positions], rtol=1e-6, atol=1e-9, msg=name)
 
 
 def host_worker(rank, size):

@@ -73,3 +73,28 @@ def test_separate_rs_bounds_match_reference():
                     tis_mode="clip", tis_upper_bound=1.3, tis_batch_normalize=True, rs_veto_threshold=0.3)
     for seed in range(5):
         assert_matches_reference(cfg, *random_batch(seed))
+
+
+def fractional(masks, seed):
+    """The batch's 0/1 masks with their nonzero values replaced by 0.25, 0.5 or 1 (hosts may weight tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.25, 0.5, 1.0])
+    return [m * scale[torch.randint(0, 3, (m.numel(),), generator=gen)] for m in masks]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(use_tis=False),
+    dict(use_tis=True),
+    dict(use_tis=True, tis_mode="mask", tis_lower_bound=0.8, tis_upper_bound=1.25, use_rs=True,
+         rs_level="geometric", rs_lower_bound=0.93, rs_upper_bound=1.07, rs_veto_threshold=0.75,
+         tis_batch_normalize=True),
+    dict(use_tis=True, tis_level="sequence", tis_upper_bound="auto"),
+    dict(use_tis=True, rs_divergence={"token_k3": 0.01, "seq_sum_k1": [0.5, 2.0]}, tis_batch_normalize=True),
+], ids=["metrics-only", "default", "mask-rs-veto-norm", "auto-sequence", "divergence"])
+def test_fractional_masks_match_reference(cfg):
+    """Mask values other than 0/1 are kept on kept tokens (0.5 stays 0.5) and every statistic counts a valid
+    token once, whatever its mask value (docs/math.md)."""
+    config = MisConfig(**cfg)
+    for seed in range(3):
+        train, rollout, masks = random_batch(seed, noise=0.15, nonfinite=seed == 2)
+        assert_matches_reference(config, train, rollout, fractional(masks, seed))

@@ -1,10 +1,12 @@
 """Where the mismatch lives: running statistics over a dump, one batch (call) at a time.
 
 With ℓ_t = log π_old(t) − log π_rollout(t) on a usable token (valid, both log-probs inside (−10⁴, 10⁴) as
-in the plugin), ρ_t = exp(clamp(ℓ_t, ±20)) and k3_t = max(ρ_t − ℓ_t − 1, 0) (docs/math.md):
+in the plugin), ρ_t = exp(clamp(ℓ_t, ±20)) and k3_t = max(ρ_t − ℓ_t − 1, 0) (docs/math.md), evaluated as
+expm1(clamp(ℓ_t)) − ℓ_t in float64 (estimators.py: e^c − ℓ − 1 cancels when the engines nearly agree):
 
-- whole dump: k1 = mean(−ℓ), k3 = mean(k3_t), χ² = mean(ρ²) − 1, mean and max |ℓ|, tail fractions, non-finite
-  fractions (engine, trainer), sequences whose product ratio leaves [0.5, 2] (|Σ ℓ| > log 2);
+- whole dump: k1 = mean(−ℓ), k3 = mean(k3_t), χ² = mean(ρ² − 1) with ρ² − 1 = expm1(2·clamp(ℓ)), mean and
+  max |ℓ|, tail fractions, non-finite fractions (engine, trainer), sequences whose product ratio leaves
+  [0.5, 2] (|Σ ℓ| > log 2);
 - by token position (the first response token alone, then [1, 2), [2, 4), … log2 buckets), by the rollout
   probability of the sampled token (fixed buckets), by response length (log2 buckets), and by call (training
   time) with a least-squares trend of the per-call k3;
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from ..core import LOG_PROB_BOUND
 from ..ops import LOG_RATIO_CLAMP
+from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
 
 POSITION_BUCKETS = 24  # bucket 0: the first token; bucket b ≥ 1: positions [2^(b-1), 2^b)
@@ -41,7 +44,7 @@ CATASTROPHIC = 1e-4  # ρ below this: a catastrophic token (the veto's usual thr
 
 # token sums of the whole dump (float64 accumulators, by name)
 _TOTALS = ("valid", "usable", "nonfinite", "nonfinite_engine", "nonfinite_trainer", "sum_k1", "sum_k3",
-           "sum_ratio_sq", "sum_abs", "above_2", "below_half", "catastrophic", "sequences", "sequences_usable",
+           "sum_chi2", "sum_abs", "above_2", "below_half", "catastrophic", "sequences", "sequences_usable",
            "sequences_outside", "sum_response_length")
 # per-bucket sums: tokens, Σ k3, Σ k1, Σ |ℓ|
 _BUCKET_SUMS = 4
@@ -94,7 +97,7 @@ class StatisticsAccumulator:
         t["nonfinite_trainer"] += float((valid & ~tokens["old_ok"]).sum())
         t["sum_k1"] += float(-ell.sum())
         t["sum_k3"] += float(tokens["k3"][usable].sum())
-        t["sum_ratio_sq"] += float(ratio.square().sum())
+        t["sum_chi2"] += float(chi2_terms(ell).sum())  # Σ (ρ² − 1): Σ ρ² then − 1 would cancel near ρ = 1
         t["sum_abs"] += float(ell.abs().sum())
         t["above_2"] += float((ratio > 2).sum())
         t["below_half"] += float((ratio < 0.5).sum())
@@ -167,7 +170,7 @@ class StatisticsAccumulator:
             "nonfinite_engine_fraction": fraction(t["nonfinite_engine"]),
             "nonfinite_trainer_fraction": fraction(t["nonfinite_trainer"]),
             "k1": mean(t["sum_k1"]), "k3": mean(t["sum_k3"]),
-            "chi2_token": None if not usable else t["sum_ratio_sq"] / usable - 1.0,
+            "chi2_token": mean(t["sum_chi2"]),
             "mean_abs_log_ratio": mean(t["sum_abs"]), "max_abs_log_ratio": self.max_abs if usable else None,
             "fraction_ratio_above_2": mean(t["above_2"]), "fraction_ratio_below_half": mean(t["below_half"]),
             "catastrophic_fraction": mean(t["catastrophic"]),
@@ -207,8 +210,7 @@ def _tokens(batch: CallBatch) -> dict[str, Tensor]:
     old_ok, rollout_ok = old.abs() < LOG_PROB_BOUND, rollout.abs() < LOG_PROB_BOUND  # NaN compares False
     usable = valid & old_ok & rollout_ok
     ell = torch.where(usable, old - rollout, torch.zeros_like(old))
-    ratio = ell.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    k3 = (ratio - ell - 1.0).clamp(min=0.0) * usable
+    k3 = k3_terms(ell) * usable  # float64 expm1: exact when the engines nearly agree (estimators.py)
     return {"seq": seq, "valid": valid, "usable": usable, "old_ok": old_ok, "rollout_ok": rollout_ok,
             "ell": ell, "k3": k3, "rollout": torch.where(usable, rollout, torch.zeros_like(rollout)),
             "positions": torch.cat(batch.positions).long()}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import host
+from ..analyze.estimators import k3_terms
 from ..layout import zigzag_layout
 from . import task
 from .dump import PolicyLossDumper, policy_loss_record
@@ -118,6 +119,21 @@ def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+
+def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torch.Tensor]) -> dict[str, float]:
+    """The batch's raw mismatch, over every response token, ℓ = log π_old − log π_rollout, ρ = e^clamp(ℓ, ±20):
+
+      raw_kl = mean(−ℓ),   raw_ess = (Σρ)² / (N Σρ²),   raw_k3 = mean(max(expm1(clamp(ℓ)) − ℓ, 0))
+
+    all in float64, from the float64 differences of the log-probs: an engine that nearly agrees has k3 ≈ ℓ²/2
+    (5e-9 at ℓ = 1e-4), below float32's resolution of e^ℓ near 1 (6e-8), where e^ℓ − ℓ − 1 cancels to 0
+    (analyze/estimators.py).
+    """
+    raw = torch.cat([o.double() - r.double() for o, r in zip(old_log_probs, rollout_log_probs)])
+    ratio = raw.clamp(-20, 20).exp()
+    ess = ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())
+    return {"raw_kl": float(-raw.mean()), "raw_ess": float(ess), "raw_k3": float(k3_terms(raw).mean())}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -258,15 +274,11 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> list[di
         with torch.no_grad():
             old_log_probs = sequence_log_probs(model, sequences, [prompt_len] * len(sequences),
                                                args.rollout_temperature, routing)
-        # raw mismatch of this batch (every algorithm): π_old (trainer) against π_rollout
-        raw = torch.cat([o - r for o, r in zip(old_log_probs, rollout_log_probs)])
-        ratio = raw.clamp(-20, 20).exp()
         row: dict[str, float] = {
             "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
             "exact_match": float((rewards == 1.0).float().mean()),
             "response_length": sum(response_lengths) / len(response_lengths),
-            "raw_kl": float(-raw.mean()), "raw_ess": float(ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())),
-            "raw_k3": float((ratio - raw - 1.0).clamp(min=0.0).mean()),
+            **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
         }
         if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
             row["routing_mismatch"] = routing_disagreement(model, sequences, engine.last_routing)
