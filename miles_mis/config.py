@@ -1,8 +1,9 @@
 """`MisConfig`: the one validated configuration object of miles_mis.
 
 It is built once at the boundary, from a YAML file (`MisConfig.from_yaml`), a mapping
-(`MisConfig.from_dict`) or a host's argparse Namespace (`MisConfig.from_args`), and everything
-below the adapter layer reads only this frozen dataclass.
+(`MisConfig.from_dict`) or what a host passes as ``args`` (`MisConfig.from_args`: its argparse Namespace,
+or a mapping read as `from_dict` reads it), and everything below the adapter layer reads only this frozen
+dataclass. Every constructor ends in the same ``MisConfig(**keys)``, so they give the same answers.
 
 Key names and meanings follow miles' ``mis.yaml``. Every error is a ``ValueError`` that names
 the key, the bad value and what is allowed.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,6 +35,20 @@ HOST_OWNED_ATTRIBUTES = frozenset({"tis_clip", "tis_clip_low"})
 HOST_FLAG_KEYS = frozenset({"use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "tis_clip",
                             "tis_clip_low", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
                             "loss_type", "use_opsm", "opsm_delta", "qkv_format"})
+
+
+class _Unset:
+    """The default of a tis bound that was not given, told apart from the same value given explicitly:
+    ``tis_bounds`` with an explicit ``tis_upper_bound: 2.0`` (the default's value) is still two settings of one
+    bound. ``MisConfig.__post_init__`` replaces it by ``value``; the repr is the value's (help, signatures)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 @dataclass(frozen=True)
@@ -72,8 +88,9 @@ class MisConfig:
     tis_level: str = "token"
     rs_level: str = "token"
     tis_mode: str = "truncate"
-    tis_lower_bound: float | None = None
-    tis_upper_bound: Any = 2.0
+    # _Unset: "not given" (tis_bounds may set them), resolved in __post_init__ to None (-> 1 / upper) and 2.0
+    tis_lower_bound: float | None = _Unset(None)  # type: ignore[assignment]
+    tis_upper_bound: Any = _Unset(2.0)
     rs_lower_bound: float | None = None
     rs_upper_bound: float | None = None
     rs_veto_threshold: float | None = None
@@ -95,6 +112,7 @@ class MisConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        self._check_tis_bounds_alone()
         for name in ("use_tis", "use_rs", "tis_batch_normalize"):
             set_(name, _as_bool(name, getattr(self, name)))
         set_("tis_level", _as_choice("tis_level", self.tis_level, LEVELS))
@@ -104,9 +122,6 @@ class MisConfig:
              _as_choice("tis_batch_normalize_scope", self.tis_batch_normalize_scope, NORMALIZE_SCOPES))
 
         if self.tis_bounds is not None:
-            if self.tis_lower_bound is not None or self.tis_upper_bound != 2.0:
-                raise ValueError("tis_bounds sets tis_lower_bound and tis_upper_bound: give either tis_bounds "
-                                 "or the two bounds, not both")
             lower_alias, upper_alias = _as_range("tis_bounds", self.tis_bounds)
             set_("tis_lower_bound", lower_alias)
             set_("tis_upper_bound", upper_alias)
@@ -149,6 +164,22 @@ class MisConfig:
         set_("tis_lower_bound", lower)
         set_("rs_upper_bound", rs_upper)
         set_("rs_lower_bound", rs_lower)
+
+    def _check_tis_bounds_alone(self) -> None:
+        """Refuse ``tis_bounds`` with either tis bound given, whatever the bound's value (an explicit
+        ``tis_upper_bound: 2.0`` or ``tis_lower_bound: null`` too: the alias would silently replace it), then
+        resolve the bounds not given to their defaults."""
+        names = ("tis_lower_bound", "tis_upper_bound")
+        given = [name for name in names if not isinstance(getattr(self, name), _Unset)]
+        if self.tis_bounds is not None and given:
+            shown = " and ".join(f"{name}={_shown(getattr(self, name))}" for name in given)
+            raise ValueError(f"tis_bounds={_shown(self.tis_bounds)} is given with {shown}: tis_bounds sets "
+                             "tis_lower_bound and tis_upper_bound, so give either tis_bounds or the two bounds, "
+                             "not both")
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, _Unset):
+                object.__setattr__(self, name, value.value)
 
     def _check_adaptive(self) -> bool:
         """Validate the tis_auto_* keys; with ``tis_upper_bound: auto`` resolve the bounds and return True."""
@@ -200,22 +231,28 @@ class MisConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "MisConfig":
-        """Build from a mapping; an unknown key is an error with a did-you-mean suggestion."""
+        """Build from a mapping; an unknown key is an error with a did-you-mean suggestion, a host flag key
+        (:data:`HOST_FLAG_KEYS`) is left to the host. Errors start with ``SOURCE: ``."""
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
         values = {key: value for key, value in values.items() if key not in HOST_FLAG_KEYS}
-        if values.get("tis_bounds") is not None and ({"tis_lower_bound", "tis_upper_bound"} & set(values)):
-            raise ValueError(f"{source}: tis_bounds sets tis_lower_bound and tis_upper_bound: give either tis_bounds "
-                             "or the two bounds, not both")
         for key in values:
             if key not in cls.keys():
                 known = cls.keys() + tuple(sorted(HOST_FLAG_KEYS))
                 raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), known)}; "
                                  f"allowed keys: {', '.join(cls.keys())} (and the host flags "
                                  f"{', '.join(sorted(HOST_FLAG_KEYS))})")
+        return cls._build(values, source)
+
+    @classmethod
+    def _build(cls, values: Mapping[str, Any], source: str | None) -> "MisConfig":
+        """``cls(**values)`` (known keys only), its error prefixed with ``SOURCE: `` when a source is named: the
+        one place every constructor checks the values, so that a mapping, a file and a Namespace agree."""
         try:
             return cls(**dict(values))
         except ValueError as error:
+            if source is None:
+                raise
             raise ValueError(f"{source}: {error}") from None
 
     @classmethod
@@ -226,23 +263,34 @@ class MisConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> "MisConfig":
-        """Build from a host's argparse Namespace (YAML keys already set on it as attributes).
+        """Build from what a host passes as ``args``: its argparse Namespace (YAML keys already set on it as
+        attributes), a ``MisConfig`` (returned as is), or a mapping of config keys (read as :meth:`from_dict`
+        reads it: an unknown key is an error, since a dict carries no host flags of its own).
 
-        Missing attributes take the defaults. An attribute starting with ``tis_`` or ``rs_`` that
-        is not one of our keys (nor a host-owned flag such as ``tis_clip``) is an error: it is
-        almost always a typo in the YAML file that would otherwise be silently ignored.
+        On a Namespace the attributes that are config keys are the mapping (a missing one takes its default)
+        and every other attribute is the host's, except one starting with ``tis_`` or ``rs_`` that is neither a
+        key nor a host-owned flag such as ``tis_clip``: an error, as it is almost always a typo in the YAML file
+        that would otherwise be silently ignored. Anything else (None, a list, a string, a number) is an error:
+        it would otherwise read as an empty Namespace, all defaults, and run metrics-only silently.
         """
         if isinstance(args, MisConfig):
             return args
-        attributes = vars(args) if hasattr(args, "__dict__") else {}
+        if isinstance(args, Mapping):
+            return cls.from_dict(args)
+        if not hasattr(args, "__dict__"):
+            shown = reprlib.repr(args)
+            kind = "" if args is None else f" ({type(args).__name__})"
+            raise ValueError(f"args: {shown}{kind} is invalid: allowed values are a host Namespace "
+                             "(argparse.Namespace, SimpleNamespace), a MisConfig, or a mapping of config keys")
+        attributes = vars(args)
         for name in attributes:
-            if (name.startswith(("tis_", "rs_")) and name not in cls.keys()
+            if (isinstance(name, str) and name.startswith(("tis_", "rs_")) and name not in cls.keys()
                     and name not in HOST_OWNED_ATTRIBUTES):
                 raise ValueError(f"args: unknown attribute {name!r}{_did_you_mean(name, cls.keys())}; "
                                  f"allowed tis_*/rs_* keys: "
                                  f"{', '.join(k for k in cls.keys() if k.startswith(('tis_', 'rs_')))}")
-        values = {key: attributes[key] for key in cls.keys() if key in attributes}
-        return cls(**values)
+        # unprefixed errors: the host names where the values came from (its config file, --mis-set)
+        return cls._build({key: attributes[key] for key in cls.keys() if key in attributes}, None)
 
     @classmethod
     def preset(cls, name: str, use_tis: bool | None = None) -> "MisConfig":
@@ -383,6 +431,12 @@ def _strict_loader():
 
 
 # ---------------------------------------------------------------------- validation helpers
+def _shown(value: Any) -> str:
+    """A value as an error shows it: repr, but as the user wrote it in YAML where that differs (null for None,
+    0.5_3 for the number YAML 1.1 reads from it)."""
+    return "null" if value is None else getattr(value, "yaml_text", None) or repr(value)
+
+
 def _did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -174,7 +174,7 @@ def test_odd_entries_name_the_sequence():
 
 
 def test_another_device_is_named():
-    problem = _tensor_problem(torch.zeros(2), torch.device("cuda", 0), log_probs=True)
+    problem = _tensor_problem(torch.zeros(2), torch.device("cuda", 0), "log-probs")
     assert problem == "is on cpu but sequence 0 is on cuda:0: every sequence on one device"
 
 

@@ -4,6 +4,7 @@ import argparse
 import glob
 
 import pytest
+import torch
 
 from miles_mis import MisConfig
 
@@ -217,3 +218,216 @@ def test_check_config_prints_one_error_line(tmp_path, text, words):
                              capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr == f"error: {tmp_path / 'nope.yaml'}: cannot read the file " \
                                                           "(No such file or directory)\n"
+
+
+# ---------------------------------------------------------------- every key through every constructor
+# For every MisConfig key, a valid non-default setting and an invalid one: (key, Python values, the same in YAML).
+# The YAML spells what a user writes (1e-4 is a string to YAML 1.1, and numeric strings are numbers to MisConfig).
+VALID_SETTINGS = [
+    ("use_tis", {"use_tis": True}, "use_tis: true"),
+    ("use_rs", {"use_rs": True}, "use_rs: true"),
+    ("tis_level", {"tis_level": "sequence"}, "tis_level: sequence"),
+    ("rs_level", {"use_rs": True, "rs_level": "geometric"}, "use_rs: true\nrs_level: geometric"),
+    ("tis_mode", {"tis_mode": "icepop"}, "tis_mode: icepop"),
+    ("tis_lower_bound", {"tis_mode": "clip", "tis_lower_bound": 0.8}, "tis_mode: clip\ntis_lower_bound: 0.8"),
+    ("tis_upper_bound", {"tis_upper_bound": 4}, "tis_upper_bound: 4"),
+    ("tis_upper_bound", {"tis_upper_bound": "auto"}, "tis_upper_bound: auto"),
+    ("rs_lower_bound", {"use_rs": True, "rs_lower_bound": "1e-1"}, "use_rs: true\nrs_lower_bound: 1e-1"),
+    ("rs_upper_bound", {"use_rs": True, "rs_upper_bound": 3.0}, "use_rs: true\nrs_upper_bound: 3.0"),
+    ("rs_veto_threshold", {"rs_veto_threshold": "1e-4"}, "rs_veto_threshold: 1e-4"),
+    ("tis_batch_normalize", {"tis_batch_normalize": True}, "tis_batch_normalize: true"),
+    ("tis_batch_normalize_scope", {"tis_batch_normalize_scope": "dp"}, "tis_batch_normalize_scope: dp"),
+    ("tis_bounds", {"tis_mode": "icepop", "tis_bounds": "0.5_3"}, 'tis_mode: icepop\ntis_bounds: "0.5_3"'),
+    ("tis_bounds", {"tis_mode": "mask", "tis_bounds": [0.25, 4.0]}, "tis_mode: mask\ntis_bounds: [0.25, 4.0]"),
+    ("rs_divergence", {"rs_divergence": {"seq_mean_k1": [0.999, 1.001], "seq_max_k3": 0.5}},
+     "rs_divergence: {seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}"),
+    ("rs_batch_gate", {"rs_batch_gate": {"k3": 0.05}}, "rs_batch_gate: {k3: 0.05}"),
+    ("rs_batch_gate_scope", {"rs_batch_gate": {"kl": "1e-2"}, "rs_batch_gate_scope": "dp"},
+     "rs_batch_gate: {kl: 1e-2}\nrs_batch_gate_scope: dp"),
+    ("metrics_low_prob_threshold", {"metrics_low_prob_threshold": 0.05}, "metrics_low_prob_threshold: 0.05"),
+    ("tis_auto_target_ess", {"tis_upper_bound": "auto", "tis_auto_target_ess": 0.8},
+     "tis_upper_bound: auto\ntis_auto_target_ess: 0.8"),
+    ("tis_auto_bounds", {"tis_upper_bound": "auto", "tis_auto_bounds": "1.5_10"},
+     'tis_upper_bound: auto\ntis_auto_bounds: "1.5_10"'),
+    ("tis_auto_scope", {"tis_upper_bound": "auto", "tis_auto_scope": "dp"}, "tis_upper_bound: auto\ntis_auto_scope: dp"),
+]
+INVALID_SETTINGS = [
+    ("use_tis", {"use_tis": "yes"}, "use_tis: 'yes'"),
+    ("use_rs", {"use_rs": 1}, "use_rs: 1"),
+    ("tis_level", {"tis_level": "tokens"}, "tis_level: tokens"),
+    ("rs_level", {"rs_level": "seq"}, "rs_level: seq"),
+    ("tis_mode", {"tis_mode": "trunc"}, "tis_mode: trunc"),
+    ("tis_lower_bound", {"tis_mode": "mask", "tis_lower_bound": 3}, "tis_mode: mask\ntis_lower_bound: 3"),
+    ("tis_lower_bound", {"tis_lower_bound": -1}, "tis_lower_bound: -1"),
+    ("tis_upper_bound", {"tis_upper_bound": None}, "tis_upper_bound: null"),
+    ("tis_upper_bound", {"tis_upper_bound": "Auto"}, "tis_upper_bound: Auto"),
+    ("rs_lower_bound", {"use_rs": True, "rs_lower_bound": 2, "rs_upper_bound": 1},
+     "use_rs: true\nrs_lower_bound: 2\nrs_upper_bound: 1"),
+    ("rs_upper_bound", {"rs_upper_bound": 0}, "rs_upper_bound: 0"),
+    ("rs_veto_threshold", {"rs_veto_threshold": 2}, "rs_veto_threshold: 2"),
+    ("tis_batch_normalize", {"tis_batch_normalize": "true"}, "tis_batch_normalize: 'true'"),
+    ("tis_batch_normalize_scope", {"tis_batch_normalize_scope": "global"}, "tis_batch_normalize_scope: global"),
+    ("tis_bounds", {"tis_bounds": "2_0.5"}, 'tis_bounds: "2_0.5"'),
+    # tis_bounds with an explicit tis bound, whatever its value (2.0 is the default's, null the lower's)
+    ("tis_bounds", {"tis_bounds": "0.5_3", "tis_upper_bound": 2.0}, 'tis_bounds: "0.5_3"\ntis_upper_bound: 2.0'),
+    ("tis_bounds", {"tis_bounds": "0.5_3", "tis_lower_bound": None}, 'tis_bounds: "0.5_3"\ntis_lower_bound: null'),
+    ("tis_bounds", {"tis_bounds": "0.5_3", "tis_upper_bound": 3.0}, 'tis_bounds: "0.5_3"\ntis_upper_bound: 3.0'),
+    ("rs_divergence", {"rs_divergence": {"seq_mean_k4": 0.5}}, "rs_divergence: {seq_mean_k4: 0.5}"),
+    ("rs_batch_gate", {"rs_batch_gate": {"k3": -1}}, "rs_batch_gate: {k3: -1}"),
+    ("rs_batch_gate_scope", {"rs_batch_gate_scope": "all"}, "rs_batch_gate_scope: all"),
+    ("metrics_low_prob_threshold", {"metrics_low_prob_threshold": 1.5}, "metrics_low_prob_threshold: 1.5"),
+    ("tis_auto_target_ess", {"tis_upper_bound": "auto", "tis_auto_target_ess": 1.5},
+     "tis_upper_bound: auto\ntis_auto_target_ess: 1.5"),
+    ("tis_auto_bounds", {"tis_upper_bound": "auto", "tis_auto_bounds": [0.5, 10]},
+     "tis_upper_bound: auto\ntis_auto_bounds: [0.5, 10]"),
+    ("tis_auto_scope", {"tis_auto_scope": "dp"}, "tis_auto_scope: dp"),  # acts only with tis_upper_bound: auto
+]
+
+
+def settings_ids(settings):
+    return [f"{key}-{i}" for i, (key, _, _) in enumerate(settings)]
+
+
+def test_the_settings_cover_every_key():
+    assert {key for key, _, _ in VALID_SETTINGS} == set(MisConfig.keys())
+    assert {key for key, _, _ in INVALID_SETTINGS} == set(MisConfig.keys())
+
+
+def write_yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    return path
+
+
+def check_config_output(path, capsys):
+    """``miles-mis check-config FILE --use-tis`` in-process: (exit status, stdout, stderr)."""
+    from miles_mis import cli
+
+    capsys.readouterr()
+    status = cli.main(["check-config", str(path), "--use-tis"])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def built_every_way(values, text, tmp_path, capsys):
+    """The config of ``values`` (and of ``text``, the same in YAML) from every constructor, or each one's error
+    message without its source prefix: name -> MisConfig or str. check-config answers as with --use-tis."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import yaml
+
+    path = write_yaml(tmp_path, text)
+    assert yaml.safe_load(text) == values  # the YAML spells the same settings
+    constructors = {
+        "MisConfig(**)": (lambda: MisConfig(**values), ""),
+        "from_dict": (lambda: MisConfig.from_dict(values), "config: "),
+        "from_yaml": (lambda: MisConfig.from_yaml(path), f"{path}: "),
+        "from_args(SimpleNamespace)": (lambda: MisConfig.from_args(SimpleNamespace(**values)), ""),
+        "from_args(dict)": (lambda: MisConfig.from_args(dict(values)), "config: "),
+    }
+    results = {}
+    for name, (build, prefix) in constructors.items():
+        try:
+            config = build()
+        except ValueError as error:
+            message = str(error)
+            assert message.startswith(prefix) and "\n" not in message, (name, message)
+            results[name] = message[len(prefix):]
+        else:
+            results[name] = config if "use_tis" in values else dataclasses.replace(config, use_tis=True)
+    status, out, err = check_config_output(path, capsys)
+    if status == 0:  # the effective config it prints, read back (1e-05 is a string to YAML 1.1: from_dict reads it)
+        results["check-config"] = MisConfig.from_dict(yaml.safe_load(out))
+    else:
+        assert status == 1 and out == "" and err.startswith(f"error: {path}: ") and err.count("\n") == 1, err
+        results["check-config"] = err[len(f"error: {path}: "):-1]
+    return results
+
+
+@pytest.mark.parametrize("key, values, text", VALID_SETTINGS, ids=settings_ids(VALID_SETTINGS))
+def test_every_key_valid_value_gives_one_config_through_every_constructor(tmp_path, capsys, key, values, text):
+    results = built_every_way(values, text, tmp_path, capsys)
+    first = results["MisConfig(**)"]
+    assert isinstance(first, MisConfig), results
+    assert all(result == first for result in results.values()), results
+    default = MisConfig(use_tis=True)
+    changed = first.tis_upper_bound != default.tis_upper_bound if key == "tis_bounds" else \
+        getattr(first, key) != getattr(MisConfig(), key)  # use_tis: True, against use_tis False
+    assert changed, (key, first)
+
+
+@pytest.mark.parametrize("key, values, text", INVALID_SETTINGS, ids=settings_ids(INVALID_SETTINGS))
+def test_every_key_invalid_value_gives_one_error_through_every_constructor(tmp_path, capsys, key, values, text):
+    results = built_every_way(values, text, tmp_path, capsys)
+    message = results["MisConfig(**)"]
+    assert isinstance(message, str) and key in message, results
+    assert all(result == message for result in results.values()), results
+
+
+@pytest.mark.parametrize("values", [{"tis_upper_bound": 2.0}, {"tis_lower_bound": None}, {"tis_upper_bound": 3.0},
+                                    {"tis_lower_bound": 0.5, "tis_upper_bound": 3.0}])
+def test_tis_bounds_with_an_explicit_bound_is_one_error_from_a_namespace(values):
+    # from_args used to accept tis_bounds with a bound equal to its default, and train with the alias's bound
+    args = argparse.Namespace(use_tis=True, tis_mode="icepop", tis_bounds="0.5_3", eps_clip=0.2, **values)
+    given = " and ".join(f"{key}={'null' if value is None else repr(value)}" for key, value in values.items())
+    expected = (f"tis_bounds='0.5_3' is given with {given}: tis_bounds sets tis_lower_bound and tis_upper_bound, "
+                "so give either tis_bounds or the two bounds, not both")
+    for build in (lambda: MisConfig.from_args(args), lambda: MisConfig(**{**values, "tis_bounds": "0.5_3"})):
+        with pytest.raises(ValueError) as info:
+            build()
+        assert str(info.value) == expected
+
+
+def test_tis_bounds_alone_and_the_bounds_alone_still_work():
+    alias = MisConfig.from_args(argparse.Namespace(tis_mode="icepop", tis_bounds="0.5_3", tis_clip=2.0))
+    assert (alias.tis_lower_bound, alias.tis_upper_bound, alias.tis_bounds) == (0.5, 3.0, None)
+    explicit = MisConfig.from_args(argparse.Namespace(tis_mode="icepop", tis_lower_bound=0.5, tis_upper_bound=3.0))
+    assert explicit == alias
+    # a null tis_bounds is no alias: the bounds may be given with it (to_dict() writes tis_bounds: null)
+    assert MisConfig.from_dict({**alias.to_dict(), "tis_bounds": None}) == alias
+    assert MisConfig.from_args(argparse.Namespace(**alias.to_dict())) == alias
+
+
+def test_from_args_reads_a_dict_like_from_dict():
+    # a dict has no attributes: it used to give the defaults, metrics-only mode, silently
+    cfg = MisConfig.from_args({"use_tis": True, "tis_mode": "mask", "eps_clip": 0.2, "qkv_format": "thd"})
+    assert cfg == MisConfig(use_tis=True, tis_mode="mask") == MisConfig.from_dict({"use_tis": True, "tis_mode": "mask"})
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_args({"use_tis": True, "tis_mdoe": "mask"})
+    assert str(info.value).startswith("config: unknown key 'tis_mdoe' (did you mean 'tis_mode'?)")
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_args({"use_tis": True, "seed": 3})  # a dict is a config: no host attributes to ignore
+    assert str(info.value).startswith("config: unknown key 'seed'")
+
+
+def test_a_dict_as_the_plugins_args_corrects():
+    from conftest import call_plugin, random_batch
+
+    train, rollout, masks = random_batch(0)
+    as_dict = call_plugin({"use_tis": True, "tis_mode": "mask"}, train, rollout, masks)
+    as_config = call_plugin(MisConfig(use_tis=True, tis_mode="mask"), train, rollout, masks)
+    metrics_only = call_plugin(MisConfig(), train, rollout, masks)
+    assert torch.equal(as_dict[0], as_config[0]) and not torch.equal(as_dict[0], metrics_only[0])
+    assert all(torch.equal(a, b) for a, b in zip(as_dict[1], as_config[1]))
+
+
+ALLOWED_ARGS = ("is invalid: allowed values are a host Namespace (argparse.Namespace, SimpleNamespace), a MisConfig, "
+                "or a mapping of config keys")
+
+
+@pytest.mark.parametrize("args, shown", [(None, "None"), ([1, 2], "[1, 2] (list)"),
+                                         ("tis_mode=mask", "'tis_mode=mask' (str)"), (3, "3 (int)"),
+                                         (("use_tis", True), "('use_tis', True) (tuple)")])
+def test_from_args_refuses_what_is_no_namespace_config_or_mapping(args, shown):
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_args(args)
+    assert str(info.value) == f"args: {shown} {ALLOWED_ARGS}"
+
+
+def test_the_plugin_refuses_none_as_its_args():
+    from conftest import call_plugin, random_batch
+
+    train, rollout, masks = random_batch(1)
+    with pytest.raises(ValueError, match=r"^args: None is invalid: allowed values are a host Namespace"):
+        call_plugin(None, train, rollout, masks)

@@ -504,3 +504,75 @@ def test_lab_mis_set_reaches_the_lab_args_and_its_errors_are_one_line(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
     assert out.stderr.startswith("error: --mis-set tis_mod: unknown key 'tis_mod' (did you mean 'tis_mode'?)")
+
+
+# ---------------------------------------------------------------- the host reads the config as MisConfig does
+from test_config import INVALID_SETTINGS, VALID_SETTINGS, settings_ids  # noqa: E402 (the cases of test_config)
+
+# use_tis is also the host's --use-tis switch: the host checks it as that flag first (test_mis_set_and_the_config_...)
+HOST_INVALID_SETTINGS = [setting for setting in INVALID_SETTINGS if setting[0] != "use_tis"]
+
+
+@pytest.mark.parametrize("key, values, text", VALID_SETTINGS, ids=settings_ids(VALID_SETTINGS))
+def test_host_config_file_gives_the_config_of_from_yaml(tmp_path, key, values, text):
+    import dataclasses
+
+    from miles_mis import MisConfig
+
+    args, path = parse_with_yaml(tmp_path, text + "\n", *WITH_PLUGIN)
+    expected = MisConfig.from_yaml(path)
+    expected = expected if "use_tis" in values else dataclasses.replace(expected, use_tis=True)  # --use-tis
+    assert MisConfig.from_args(args) == expected
+
+
+@pytest.mark.parametrize("key, values, text", HOST_INVALID_SETTINGS, ids=settings_ids(HOST_INVALID_SETTINGS))
+def test_host_config_file_gives_the_error_of_from_yaml(tmp_path, key, values, text):
+    from miles_mis import MisConfig
+
+    message, path = yaml_error(tmp_path, text + "\n", *WITH_PLUGIN)
+    with pytest.raises(ValueError) as info:
+        MisConfig.from_yaml(path)
+    assert message == str(info.value)
+
+
+def test_the_host_namespace_holds_no_config_key_it_was_not_given():
+    # from_args reads a present attribute as given (tis_bounds with an explicit bound is an error): a host that
+    # set every config key to its default would make every tis_bounds an error
+    from miles_mis import MisConfig
+    from miles_mis.lab.train import parse_args as lab_parse_args
+
+    for args in (host.parse_args(list(WITH_PLUGIN)), lab_parse_args(list(WITH_PLUGIN))):
+        assert set(vars(args)) & set(MisConfig.keys()) == {"use_tis"}  # the --use-tis flag only
+
+
+BOUNDS_CONFLICT = ("tis_bounds='0.5_3' is given with {given}: tis_bounds sets tis_lower_bound and tis_upper_bound, "
+                   "so give either tis_bounds or the two bounds, not both")
+
+
+@pytest.mark.parametrize("bound, given", [("tis_upper_bound: 2.0", "tis_upper_bound=2.0"),
+                                          ("tis_lower_bound: null", "tis_lower_bound=null"),
+                                          ("tis_upper_bound: 3.0", "tis_upper_bound=3.0")])
+def test_host_tis_bounds_works_alone_and_fails_with_a_bound(tmp_path, bound, given):
+    from miles_mis import MisConfig
+
+    args, path = parse_with_yaml(tmp_path, 'tis_mode: icepop\ntis_bounds: "0.5_3"\n', *WITH_PLUGIN)
+    config = MisConfig.from_args(args)
+    assert (config.tis_lower_bound, config.tis_upper_bound) == (0.5, 3.0)
+    # the bound in the same file: the file's error, as from_yaml and check-config give it
+    message, path = yaml_error(tmp_path, f'tis_mode: icepop\ntis_bounds: "0.5_3"\n{bound}\n', *WITH_PLUGIN)
+    assert message == f"{path}: " + BOUNDS_CONFLICT.format(given=given)
+    # the bound from --mis-set over a file with tis_bounds: the same words, naming --mis-set and the file
+    path.write_text('tis_mode: icepop\ntis_bounds: "0.5_3"\n')
+    key, _, value = bound.partition(": ")
+    message = mis_set_error(f"{key}={'' if value == 'null' else value}",
+                            flags=(*WITH_PLUGIN, "--custom-config-path", str(path)))
+    assert message == f"--mis-set {key} (with the keys of {path}): " + BOUNDS_CONFLICT.format(given=given)
+
+
+def test_check_config_and_the_host_refuse_tis_bounds_with_a_bound_alike(tmp_path, capsys):
+    from miles_mis import cli
+
+    message, path = yaml_error(tmp_path, 'tis_mode: icepop\ntis_bounds: "0.5_3"\ntis_upper_bound: 2.0\n', *WITH_PLUGIN)
+    capsys.readouterr()
+    assert cli.main(["check-config", str(path), "--use-tis"]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
