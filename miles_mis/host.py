@@ -34,10 +34,12 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .ops import indicator
 from .layout import zigzag_layout
+from .ops import indicator
+from .plugin import weigh_loss
 
 LOG_RATIO_CLAMP = 20.0
+LOSS_DENOMINATORS = ("input-mask", "returned-mask")  # --loss-denominator
 
 
 # --------------------------------------------------------------------------- flags
@@ -81,6 +83,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        help="dual-clip constant (> 1) for A < 0 (default: %(default)s = off)")
     group.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                        help="sum over tokens instead of the mean of per-sequence means")
+    group.add_argument("--loss-denominator", choices=LOSS_DENOMINATORS, default="input-mask",
+                       help="each sequence's denominator of the loss mean: the sum of the input loss mask (miles "
+                            "with rollout_mask_sums) or of the whole mask the correction returned (miles' "
+                            "get_sum_of_sample_mean without them); the two agree without rejections "
+                            "(default: %(default)s)")
     group.add_argument("--loss-type", choices=("ppo", "reinforce"), default="ppo",
                        help="policy-gradient loss (default: %(default)s)")
     group.add_argument("--use-opsm", action="store_true", default=False,
@@ -588,7 +595,11 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
                 args=args, pg_loss=pg_loss, train_log_probs=trainer_scored, rollout_log_probs=rollout,
                 loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
                 parallel_state=parallel_state, max_seq_lens=max_seq_lens)
-        # modified masks rebuild the numerator only; denominators stay the original counts
+        # modified masks rebuild the numerator; the denominators stay the original counts, or (as miles' reducer
+        # without rollout_mask_sums) are the sums of the whole returned masks, identical on every CP rank
+        if getattr(args, "loss_denominator", "input-mask") == "returned-mask":
+            denominators = (torch.stack([m.float().sum() for m in modified_masks]) if modified_masks
+                            else torch.zeros(0))
         reduce_loss = Reducer(modified_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
         metrics["ois"] = reduce((-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()).detach()
         for name, value in tis_metrics.items():
@@ -609,7 +620,7 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
 # flags that change which collectives a host call makes, or what it computes: equal on every CP rank
 AGREED_FLAGS = ("use_tis", "use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "loss_type",
                 "use_opsm", "opsm_delta", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
-                "qkv_format", "tis_clip", "tis_clip_low")
+                "loss_denominator", "qkv_format", "tis_clip", "tis_clip_low")
 
 
 def host_config_text(args: argparse.Namespace) -> str:
@@ -637,9 +648,7 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,
                                            loss_mask=mask, cu_seqlens=cu_seqlens)
     if weights is not None:
-        weighted = pg_loss * weights.to(pg_loss.dtype)
-        # where, not a bare product: a NaN pg_loss on a rejected token must not survive as NaN·0
-        pg_loss = torch.where(kept_mask != 0, weighted, torch.zeros_like(weighted))
+        pg_loss = weigh_loss(pg_loss, weights, kept_mask != 0)
     return pg_loss, list(kept_mask.split_with_sizes([int(n) for n in response_lengths])), metrics
 
 

@@ -203,6 +203,7 @@ def _faults_and_count(rank, size):
     fault_worker(rank, size)
     count_collectives_worker(rank, size)
     host_worker(rank, size)
+    whole_mask_reducer_worker(rank, size)
     long_response_worker(rank, size)
 
 
@@ -234,22 +235,36 @@ def long_response_worker(rank, size):
 
 
 def host_worker(rank, size):
-    """The reference host under CP: local losses summed over ranks and local gradients equal cp = 1."""
+    """The reference host under CP: local losses summed over ranks and local gradients equal cp = 1, with the
+    loss denominators of the input masks and (as miles' reducer without rollout_mask_sums) of the WHOLE returned
+    masks, which only holds when every rank returns the same masks."""
     from miles_mis import host
 
     full, _ = make_full_batch(seed=11, num_seqs=7)
     gen = torch.Generator().manual_seed(5)
     advantages = [torch.full((n,), float(torch.randn(1, generator=gen))) for n in full["response_lengths"]]
     current_full = [t + 0.05 * torch.randn(t.shape, generator=gen) for t in full["train_log_probs"]]
-    for argv in (["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
-                  "--use-opsm", "--opsm-delta", "0.0"], ["--loss-type", "reinforce", "--use-rollout-logprobs"]):
+    plugin = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+    geometric = dict(use_rs=True, rs_level="geometric", rs_veto_threshold=0.5, tis_batch_normalize=True,
+                     rs_lower_bound=0.95, rs_upper_bound=1.05)
+    token_rs = dict(use_rs=True, rs_level="token", rs_lower_bound=0.85, rs_upper_bound=1.15, tis_batch_normalize=True)
+    token_mis = dict(tis_mode="mask", tis_lower_bound=0.8, tis_upper_bound=1.25, rs_divergence={"token_k3": 0.05})
+    cases = [(plugin + ["--use-opsm", "--opsm-delta", "0.0"], geometric),
+             (["--loss-type", "reinforce", "--use-rollout-logprobs"], geometric),
+             (plugin + ["--loss-denominator", "returned-mask"], token_rs),
+             (plugin + ["--loss-denominator", "returned-mask", "--loss-type", "reinforce"], token_mis),
+             (plugin + ["--loss-denominator", "returned-mask", "--calculate-per-token-loss"], token_rs),
+             (plugin + ["--loss-denominator", "returned-mask", "--qkv-format", "bshd"], token_rs)]
+    for argv, settings in cases:
         args = host.parse_args(argv)
-        args.use_rs, args.rs_level, args.rs_veto_threshold, args.tis_batch_normalize = True, "geometric", 0.5, True
-        args.rs_lower_bound, args.rs_upper_bound = 0.95, 1.05
+        for key, value in settings.items():
+            setattr(args, key, value)
+        fmt = args.qkv_format
+        spans = [t + 3 * (i % 4) for i, t in enumerate(full["total_lengths"])] if fmt == "bshd" else None
 
         def run(ps, pick):
             current = [pick(i, t).clone().requires_grad_() for i, t in enumerate(current_full)]
-            batch = dict(full, advantages=[pick(i, a) for i, a in enumerate(advantages)],
+            batch = dict(full, advantages=[pick(i, a) for i, a in enumerate(advantages)], max_seq_lens=spans,
                          log_probs=[pick(i, t) for i, t in enumerate(full["train_log_probs"])],
                          rollout_log_probs=[pick(i, t) for i, t in enumerate(full["rollout_log_probs"])])
             loss, metrics = host.policy_loss(args, batch, current, parallel_state=ps)
@@ -257,8 +272,8 @@ def host_worker(rank, size):
             return loss.detach(), metrics, [c.grad for c in current]
 
         ref_loss, ref_metrics, ref_grads = run(cp_state(0, 1), lambda i, t: t)
-        spans = full["total_lengths"]
-        owned = [torch.tensor(local_positions(spans[i], n, rank, size, spans[i]), dtype=torch.long)
+        span_of = spans or full["total_lengths"]
+        owned = [torch.tensor(local_positions(full["total_lengths"][i], n, rank, size, span_of[i]), dtype=torch.long)
                  for i, n in enumerate(full["response_lengths"])]
         loss, metrics, grads = run(cp_state(rank, size), lambda i, t: t[owned[i]])
         dist.all_reduce(loss)
@@ -270,7 +285,26 @@ def host_worker(rank, size):
                 value = torch.tensor(float(metrics[name]), dtype=torch.float64)
                 if name != "opsm_fraction":  # a per-batch fraction, identical on every rank
                     dist.all_reduce(value)
-                assert abs(float(value) - float(ref_metrics[name])) < 1e-5, (name, value, ref_metrics[name])
+                want = float(ref_metrics[name])
+                assert abs(float(value) - want) < 1e-5 * max(1.0, abs(want)), (name, value, want)
+        if settings is not geometric:  # the batch really has token-level rejections (inside sequences that span ranks)
+            assert sum(float(ref_metrics.get(f"mis_{stage}_mask_fraction_{side}", 0.0))
+                       for stage in ("rs", "tis") for side in ("low", "high")) > 0, argv
+
+
+def whole_mask_reducer_worker(rank, size):
+    """One sequence (prompt 4, response 8) at cp 2, token at offset 1 with ratio e^-3 < 0.5, token TIS + RS
+    [0.5, 2], pg_loss 1 per token; miles' reducer divides by the whole returned mask's sum: the loss is 1 at cp 1
+    and at cp 2 (it was 0.964286 when each rank zeroed only its own tokens)."""
+    full = dict(train_log_probs=[torch.zeros(8)], rollout_log_probs=[torch.tensor([0.0, 3, 0, 0, 0, 0, 0, 0])],
+                loss_masks=[torch.ones(8)], total_lengths=[12], response_lengths=[8], max_seq_lens=None)
+    args = SimpleNamespace(**MisConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0).to_dict())
+    kwargs, local_pg, positions = shard(full, torch.ones(8), rank, size, "thd")
+    loss, masks, _ = compute_mis_weights_with_cp(args, pg_loss=local_pg, parallel_state=cp_state(rank, size), **kwargs)
+    assert masks[0].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], (rank, masks[0].tolist())
+    total = (loss * masks[0][positions]).sum() / masks[0].sum()
+    dist.all_reduce(total)
+    assert float(total) == 1.0
 
 
 def megatron_worker(rank, world, use_kwarg):
