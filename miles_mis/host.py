@@ -13,7 +13,8 @@ correction plugin exactly as the contract says (keyword arguments, local CP shar
 
 Returned values follow miles: `loss` and every metric are sums over this rank's sequences of the
 per-sequence masked token mean (token sums with --calculate-per-token-loss); under context
-parallelism they are this rank's partial sums (the trainer's gradient all-reduce adds the ranks).
+parallelism they are this rank's partial sums (the trainer's gradient all-reduce adds the ranks), accumulated
+and returned in float64 so that the ranks' partial sums add up to the cp = 1 value.
 Divide by the number of sequences (tokens) for a mean.
 """
 
@@ -521,21 +522,26 @@ def safe_ratio(log_ratio: Tensor) -> Tensor:
 
 
 class Reducer:
-    """miles' ``sum_of_sample_mean`` over this rank's tokens: Σ_seq Σ_local x·m / n_seq, n_seq the
-    ORIGINAL per-sequence count (token sum with per-token loss). ``masks`` (full length) give the
-    numerator; under CP each rank takes its own positions of them."""
+    """miles' ``sum_of_sample_mean`` over this rank's tokens: Σ_seq Σ_local x·m / n_seq, n_seq the per-sequence
+    count given (the input masks' sums, or the returned masks' with --loss-denominator returned-mask; a token sum
+    with per-token loss). ``masks`` (full length) give the numerator; under CP each rank takes its own positions
+    of them."""
 
     def __init__(self, masks: Sequence[Tensor], denominators: Tensor, seq_index: Tensor,
                  positions: Tensor | None, per_token: bool):
-        full = torch.cat(list(masks)).float() if len(masks) else torch.zeros(0)
+        full = torch.cat(list(masks)).double() if len(masks) else torch.zeros(0, dtype=torch.float64)
         self.mask = full if positions is None else full.index_select(0, positions)
         self.seq_index = seq_index
-        self.scale = (1.0 / denominators.clamp(min=1.0)) if not per_token else torch.ones_like(denominators)
+        self.denominators = denominators.double().clamp(min=1.0) if not per_token else None
+        self.num_seqs = denominators.numel()
 
     def __call__(self, values: Tensor) -> Tensor:
-        per_seq = torch.zeros(self.scale.shape, dtype=values.dtype, device=values.device)
-        per_seq = per_seq.index_add(0, self.seq_index, values * self.mask.to(values.dtype))
-        return (per_seq * self.scale.to(values.dtype)).sum()
+        """float64: each CP rank's partial sum must add up to the cp = 1 sum (float32 partials of terms of
+        opposite sign, e.g. ±1e4 fill values in π_old, round differently on each rank); a division, not a
+        product by 1/n, so that the mean of a constant is that constant exactly."""
+        per_seq = torch.zeros(self.num_seqs, dtype=torch.float64, device=values.device)
+        per_seq = per_seq.index_add(0, self.seq_index, values.double() * self.mask)
+        return (per_seq if self.denominators is None else per_seq / self.denominators).sum()
 
 
 # --------------------------------------------------------------------------- the policy loss
