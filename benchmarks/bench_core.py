@@ -110,10 +110,11 @@ def padded(p):
     ell = torch.nan_to_num(train - rollout, nan=0.0, posinf=0.0, neginf=0.0) * usable
     train_u = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0) * usable
     rho = ell.clamp(-CLAMP, CLAMP).exp()
-    n_usable = usable.sum(1)
+    f64 = torch.float64  # every sum in float64 and k3 as expm1 in float64, as ours (docs/math.md, precision)
+    n_usable = usable.sum(1, dtype=f64)
     count = n_usable.clamp(min=1.0)
-    sum_ell = ell.sum(1)
-    mean_train = train_u.sum(1) / count
+    sum_ell = ell.sum(1, dtype=f64)
+    mean_train = train_u.sum(1, dtype=f64) / count
     mean_rollout = mean_train - sum_ell / count
     diff = -sum_ell / count
     w = rho.clamp(max=upper)
@@ -122,24 +123,25 @@ def padded(p):
     seq_keep = ~(vetoed | (valid.sum(1) > n_usable))
     token_keep = usable * (rho >= lower) * (rho <= upper) * seq_keep[:, None]
     kept_w = w * token_keep
-    sum_w = kept_w.sum()
-    mean = sum_w / token_keep.sum().clamp(min=1.0)
+    sum_w = kept_w.sum(dtype=f64)
+    mean = sum_w / token_keep.sum(dtype=f64).clamp(min=1.0)
     factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
     seq_max = torch.where(token_keep > 0, w, -1.0).amax(1) if width else torch.full((num_seqs,), -1.0)
     seq_min = torch.where(token_keep > 0, w, 3e38).amin(1) if width else torch.full((num_seqs,), 3e38)
     has_kept = seq_max >= 0
     max_w = torch.cat([seq_max, torch.tensor([-1.0])]).amax()
     min_w = torch.cat([seq_min, torch.tensor([3e38])]).amin()
-    sum_w_sq = (kept_w * w).sum()
-    n_valid = valid.sum()
+    sum_w_sq = (kept_w * w).sum(dtype=f64)
+    n_valid = valid.sum(dtype=f64)
     final = kept_w / factor
     # where the mismatch lives: the position of a token is its column, so the buckets are column sums
-    k3 = (rho - ell - 1.0).clamp(min=0.0)  # 0 where not usable (ℓ = 0, ρ = 1)
-    low = (rollout < math.log(cfg.metrics_low_prob_threshold)).float() * usable
+    ell64 = ell.double()
+    k3 = torch.expm1(ell64.clamp(-CLAMP, CLAMP)).sub_(ell64).clamp_(min=0.0)  # 0 where not usable (ℓ = 0)
+    low = (rollout < math.log(cfg.metrics_low_prob_threshold)).double() * usable
     column_bucket = torch.bucketize(torch.arange(width), torch.tensor(POSITION_EDGES[1:]), right=True)
     n_buckets = len(BUCKET_NAMES)
-    bucket_k3 = torch.zeros(n_buckets).index_add_(0, column_bucket, k3.sum(0))
-    bucket_n = torch.zeros(n_buckets).index_add_(0, column_bucket, usable.sum(0))
+    bucket_k3 = torch.zeros(n_buckets, dtype=f64).index_add_(0, column_bucket, k3.sum(0))
+    bucket_n = torch.zeros(n_buckets, dtype=f64).index_add_(0, column_bucket, usable.sum(0, dtype=f64))
     usable_n, k3_total = n_usable.sum().double(), k3.sum().double()
     ratio = lambda a, b: (a.double() / b.double().clamp(min=1.0)).float()  # noqa: E731
     first_k3, first_n = (k3[:, 0].sum(), usable[:, 0].sum()) if width else (k3.sum(), usable.sum())
@@ -153,8 +155,8 @@ def padded(p):
         "rollout_log_ppl": -mean_rollout, "rollout_ppl": (-mean_rollout).clamp(-CLAMP, CLAMP).exp(),
         "kl": diff, "log_ppl_diff": diff, "log_ppl_abs_diff": diff.abs(), "ppl_ratio": diff.clamp(-CLAMP, CLAMP).exp(),
         "k3_kl": k3.sum(1) / count,
-        "chi2_token": ((rho.square() * usable).sum(1) / count - 1.0) * (n_usable > 0),
-        "chi2_seq": (2.0 * sum_ell.clamp(-CLAMP, CLAMP)).exp() - 1.0,
+        "chi2_token": (torch.expm1(2.0 * ell.clamp(-CLAMP, CLAMP)) * usable).sum(1, dtype=f64) / count,
+        "chi2_seq": torch.expm1(2.0 * sum_ell.clamp(-CLAMP, CLAMP)),
         "rs_catastrophic_seq_fraction": vetoed.float(),
         "is_ratio_max_final": torch.where(has_kept, seq_max / factor, 0.0),
         "is_ratio_min_final": torch.where(has_kept, seq_min / factor, 0.0),
@@ -164,7 +166,7 @@ def padded(p):
         "batch_norm_factor": factor,
         "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, 0.0),
         "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, 0.0),
-        "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30), 0.0),
+        "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30), 0.0).clamp(max=1.0),
         **location,
     }
     metrics = {
@@ -176,9 +178,9 @@ def padded(p):
     }
     # per-sequence values: one [M, B] table broadcast along T in one copy; batch values: broadcast views
     # (stride 0), as miles_mis returns them
-    table = torch.stack(list(seq.values()))
+    table = torch.stack([value.float() for value in seq.values()])
     metrics.update(zip(seq, table[:, :, None].expand(-1, -1, width).contiguous().unbind(0)))
-    metrics.update({name: value.expand(num_seqs, width) for name, value in batch.items()})
+    metrics.update({name: value.float().expand(num_seqs, width) for name, value in batch.items()})
     return final, mask * token_keep, {f"mis_{name}": value for name, value in sorted(metrics.items())}
 
 
@@ -227,10 +229,12 @@ def per_sequence(inputs, pg_loss):
         put("log_ppl_diff", diff * ones)
         put("log_ppl_abs_diff", diff.abs() * ones)
         put("ppl_ratio", diff.clamp(-CLAMP, CLAMP).exp() * ones)
-        put("k3_kl", ((rho - ell - 1) * usable).sum() / count * ones)
-        put("chi2_token", ((rho.square() * usable).sum() / count - 1) * ones)
-        put("chi2_seq", ((2 * ell.sum().clamp(-CLAMP, CLAMP)).exp() - 1) * ones)
-        k3 = (rho - ell - 1).clamp(min=0) * usable
+        ell64 = ell.double()
+        k3 = (torch.expm1(ell64.clamp(-CLAMP, CLAMP)) - ell64).clamp(min=0) * usable  # as ours: float64 expm1
+        put("k3_kl", (k3.sum() / count).float() * ones)
+        put("chi2_token", ((torch.expm1(2 * ell.clamp(-CLAMP, CLAMP)) * usable).sum(dtype=torch.float64) / count).float()
+            * ones)
+        put("chi2_seq", torch.expm1(2 * ell.sum(dtype=torch.float64).clamp(-CLAMP, CLAMP)).float() * ones)
         low = usable & (rollout < log_low)
         bucket = torch.bucketize(torch.arange(len(train)), edges, right=True)
         sums += torch.cat([torch.stack([k3[:1].sum(), usable[:1].sum(), k3[low].sum(), low.sum(), usable.sum()]),
