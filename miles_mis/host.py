@@ -521,6 +521,11 @@ def safe_ratio(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
+def mask_sums(masks: Sequence[Tensor]) -> Tensor:
+    """[B] each full-length mask's sum: the per-sequence denominators of the loss mean."""
+    return torch.stack([m.float().sum() for m in masks]) if len(masks) else torch.zeros(0)
+
+
 class Reducer:
     """miles' ``sum_of_sample_mean`` over this rank's tokens: Σ_seq Σ_local x·m / n_seq, n_seq the per-sequence
     count given (the input masks' sums, or the returned masks' with --loss-denominator returned-mask; a token sum
@@ -604,8 +609,7 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
         # modified masks rebuild the numerator; the denominators stay the original counts, or (as miles' reducer
         # without rollout_mask_sums) are the sums of the whole returned masks, identical on every CP rank
         if getattr(args, "loss_denominator", "input-mask") == "returned-mask":
-            denominators = (torch.stack([m.float().sum() for m in modified_masks]) if modified_masks
-                            else torch.zeros(0))
+            denominators = mask_sums(modified_masks)
         reduce_loss = Reducer(modified_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
         metrics["ois"] = reduce((-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()).detach()
         for name, value in tis_metrics.items():
@@ -717,7 +721,7 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     seq_index = torch.repeat_interleave(torch.arange(len(local_lengths)), torch.tensor(local_lengths, dtype=torch.long))
     full_mask = torch.cat(loss_masks).float() if loss_masks else torch.zeros(0)
     active = full_mask if positions is None else full_mask.index_select(0, positions)
-    denominators = torch.stack([m.float().sum() for m in loss_masks]) if loss_masks else torch.zeros(0)
+    denominators = mask_sums(loss_masks)
     reduce = Reducer(loss_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
 
     rollout = batch.get("rollout_log_probs")

@@ -460,7 +460,7 @@ def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_leng
             raise InputError("the per-sequence tensors could not be joined (" + ", ".join(
                 f"{name}: {f.dtype} {f.layout} on {f.device}" for (name, _), f in zip(lists, flat or ())) + ")")
         _raise_shape_error(bad, train_log_probs, rollout_log_probs, loss_masks)
-    for name, seq in lists[:2]:  # torch.cat promotes an integer sequence among floats: test each dtype
+    for _, seq in lists[:2]:  # torch.cat promotes an integer sequence among floats: test each dtype
         if not all(dtype.is_floating_point for dtype in set(map(_DTYPE, seq))):
             _raise_first_bad(lists)
     train, rollout, full_masks = flat

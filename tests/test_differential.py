@@ -487,32 +487,48 @@ def cp1_reference(case):
     return plugin(case, ps), {d: run_host(case, host_args(case, LIST, d), ps) for d in denominators()}
 
 
+def _cp1(what: str) -> str:
+    """The finding kind of a cp = 1 check."""
+    return f"cp=1 {what}"
+
+
 def check_entry_points(case, findings: Findings, reference) -> None:
     """At cp = 1: the other entry points (and the host through the packed one) return the reference bit for bit."""
+    _check_reference_outputs(case, findings, reference)
+    _check_fsdp(case, findings, reference)
+    weights = _check_weights(case, findings, reference)
+    _check_list_and_packed(case, findings, reference, weights)
+    _check_host_list_vs_packed(case, findings, reference)
+
+
+def _check_reference_outputs(case, findings: Findings, reference) -> None:
     full = case.full
-    kind = lambda what: f"cp=1 {what}"  # noqa: E731
-    ps = cp_state(0, 1)
-    (ref_out, ref_grad, ref_masks, ref_metrics), ref_hosts = reference
+    (ref_out, _, ref_masks, ref_metrics), _ = reference
     names = sorted(ref_metrics)
     lengths = full["response_lengths"]
     n = sum(lengths)
-    use_tis = case.config.use_tis
 
     # nothing the reference returns is NaN/inf (README: "nothing turns into NaN"), masks and metrics detached
     for name in names:
         value = ref_metrics[name]
-        findings.check(case, kind("metric shape"), value.shape == (n,) and value.dtype == torch.float32,
+        findings.check(case, _cp1("metric shape"), value.shape == (n,) and value.dtype == torch.float32,
                        lambda: f"{name}: shape {tuple(value.shape)}, dtype {value.dtype}, expected ({n},) float32")
-        findings.check(case, kind("non-finite metric"), bool(torch.isfinite(value).all()),
+        findings.check(case, _cp1("non-finite metric"), bool(torch.isfinite(value).all()),
                        lambda: f"{name} = {value[~torch.isfinite(value)][:3].tolist()} at "
                                f"{flat_label(case)(int((~torch.isfinite(value)).nonzero()[0]))}")
-        findings.check(case, kind("metric has autograd graph"), not value.requires_grad, name)
-    findings.check(case, kind("non-finite pg_loss"), bool(torch.isfinite(ref_out).all()),
+        findings.check(case, _cp1("metric has autograd graph"), not value.requires_grad, name)
+    findings.check(case, _cp1("non-finite pg_loss"), bool(torch.isfinite(ref_out).all()),
                    lambda: f"{ref_out[~torch.isfinite(ref_out)][:3].tolist()}")
-    findings.check(case, kind("mask list"), len(ref_masks) == len(lengths)
+    findings.check(case, _cp1("mask list"), len(ref_masks) == len(lengths)
                    and all(m.shape == (k,) and m.dtype == full["loss_masks"][0].dtype and not m.requires_grad
                            for m, k in zip(ref_masks, lengths)),
                    lambda: f"{[(tuple(m.shape), m.dtype, m.requires_grad) for m in ref_masks]}")
+
+
+def _check_fsdp(case, findings: Findings, reference) -> None:
+    full = case.full
+    (ref_out, ref_grad, ref_masks, ref_metrics), _ = reference
+    lengths = full["response_lengths"]
 
     # compute_mis_weights_fsdp: same pg_loss, gradient, masks, metrics
     leaf = case.pg_loss.detach().clone().requires_grad_()
@@ -522,25 +538,45 @@ def check_entry_points(case, findings: Findings, reference) -> None:
     if out.requires_grad:
         out.backward(case.extras["cotangent"])
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-    findings.check(case, kind("fsdp pg_loss"), same_bits(out.detach(), ref_out),
+    findings.check(case, _cp1("fsdp pg_loss"), same_bits(out.detach(), ref_out),
                    lambda: f"at {flat_label(case)(first_difference(out.detach(), ref_out))}")
-    findings.check(case, kind("fsdp pg_loss grad"), same_bits(grad, ref_grad),
+    findings.check(case, _cp1("fsdp pg_loss grad"), same_bits(grad, ref_grad),
                    lambda: f"at {flat_label(case)(first_difference(grad, ref_grad))}")
-    compare_masks_exact(case, findings, kind("fsdp masks"), masks, ref_masks)
-    compare_metrics_exact(case, findings, kind("fsdp metrics"), metrics, ref_metrics)
+    compare_masks_exact(case, findings, _cp1("fsdp masks"), masks, ref_masks)
+    compare_metrics_exact(case, findings, _cp1("fsdp metrics"), metrics, ref_metrics)
 
+
+def _check_weights(case, findings: Findings, reference):
+    """The weights with_cp returns on a pg_loss of ones (None in metrics-only mode), checked against the
+    documented product."""
+    full = case.full
+    ps = cp_state(0, 1)
+    (ref_out, _, _, _), _ = reference
+    lengths = full["response_lengths"]
+    n = sum(lengths)
+    use_tis = case.config.use_tis
+    weights = None
     # the weights themselves: with_cp on a float32 pg_loss of ones returns them (0 on rejected tokens), and
     # with_cp(pg_loss) is pg_loss x weights as docs/contract.md words it (the product in float32, or float64 for a
     # float64 loss, cast back to pg_loss's dtype, saturating at its largest finite value)
     if use_tis:
         weights = compute_mis_weights_with_cp(case.args, pg_loss=torch.ones(n), parallel_state=ps, **full)[0]
         want = documented_product(case.pg_loss, weights)
-        findings.check(case, kind("pg_loss x weights"), same_bits(want, ref_out),
+        findings.check(case, _cp1("pg_loss x weights"), same_bits(want, ref_out),
                        lambda: f"at {flat_label(case)(first_difference(want, ref_out))}: with_cp(pg_loss) gives "
                                f"{ref_out[first_difference(want, ref_out)].item()!r}, pg_loss "
                                f"{case.pg_loss[first_difference(want, ref_out)].item()!r} x weight "
                                f"{weights[first_difference(want, ref_out)].item()!r} = "
                                f"{want[first_difference(want, ref_out)].item()!r}")
+    return weights
+
+
+def _check_list_and_packed(case, findings: Findings, reference, weights) -> None:
+    full = case.full
+    (_, _, ref_masks, ref_metrics), _ = reference
+    names = sorted(ref_metrics)
+    lengths = full["response_lengths"]
+    use_tis = case.config.use_tis
 
     # the config as each kind of args the contract allows: a host Namespace, a MisConfig, a mapping of keys
     forms = (case.args, case.config, case.config.to_dict())
@@ -550,25 +586,25 @@ def check_entry_points(case, findings: Findings, reference) -> None:
                                                        rollout_log_probs=full["rollout_log_probs"],
                                                        loss_masks=full["loss_masks"])
     if use_tis:
-        if findings.check(case, kind("list weights"), w_list is not None and len(w_list) == len(lengths)
+        if findings.check(case, _cp1("list weights"), w_list is not None and len(w_list) == len(lengths)
                           and all(w.shape == (k,) for w, k in zip(w_list, lengths)),
                           lambda: f"weights {None if w_list is None else [tuple(w.shape) for w in w_list]}"):
             flat = torch.cat(w_list) if w_list else torch.zeros(0)
-            findings.check(case, kind("list weights"), same_bits(flat, weights),
+            findings.check(case, _cp1("list weights"), same_bits(flat, weights),
                            lambda: f"at {flat_label(case)(first_difference(flat, weights))}: "
                                    f"{flat[first_difference(flat, weights)].item()!r} vs with_cp "
                                    f"{weights[first_difference(flat, weights)].item()!r}")
     else:
-        findings.check(case, kind("list weights"), w_list is None, "metrics-only mode returned weights")
-    compare_masks_exact(case, findings, kind("list masks"), m_list, ref_masks)
-    if findings.check(case, kind("list metric names"), sorted(metric_lists) == names,
+        findings.check(case, _cp1("list weights"), w_list is None, "metrics-only mode returned weights")
+    compare_masks_exact(case, findings, _cp1("list masks"), m_list, ref_masks)
+    if findings.check(case, _cp1("list metric names"), sorted(metric_lists) == names,
                       lambda: f"{sorted(set(metric_lists) ^ set(names))}"):
         joined = {}
         for name, parts in metric_lists.items():
-            findings.check(case, kind("list metric lengths"), [p.numel() for p in parts] == list(lengths),
+            findings.check(case, _cp1("list metric lengths"), [p.numel() for p in parts] == list(lengths),
                            lambda: f"{name}: {[p.numel() for p in parts]} vs {lengths}")
             joined[name] = torch.cat(parts) if parts else torch.zeros(0)
-        compare_metrics_exact(case, findings, kind("list metrics"), joined, ref_metrics)
+        compare_metrics_exact(case, findings, _cp1("list metrics"), joined, ref_metrics)
 
     # compute_mis_weights_packed: flat tensors + int64 cu_seqlens
     cat = lambda values, dtype=torch.float32: torch.cat(values) if values else torch.zeros(0, dtype=dtype)  # noqa
@@ -579,31 +615,36 @@ def check_entry_points(case, findings: Findings, reference) -> None:
         rollout_log_probs=cat(full["rollout_log_probs"]), loss_mask=cat(full["loss_masks"], mask_dtype),
         cu_seqlens=cu_seqlens)
     if use_tis:
-        findings.check(case, kind("packed weights"), w_packed is not None and same_bits(w_packed, weights),
+        findings.check(case, _cp1("packed weights"), w_packed is not None and same_bits(w_packed, weights),
                        lambda: "None" if w_packed is None
                        else f"at {flat_label(case)(first_difference(w_packed, weights))}")
     else:
-        findings.check(case, kind("packed weights"), w_packed is None, "metrics-only mode returned weights")
+        findings.check(case, _cp1("packed weights"), w_packed is None, "metrics-only mode returned weights")
     ref_flat = cat(ref_masks, mask_dtype)
-    findings.check(case, kind("packed mask"), same_bits(m_packed, ref_flat),
+    findings.check(case, _cp1("packed mask"), same_bits(m_packed, ref_flat),
                    lambda: f"dtype {m_packed.dtype} vs {ref_flat.dtype}; at "
                            f"{flat_label(case)(first_difference(m_packed, ref_flat))}")
-    compare_metrics_exact(case, findings, kind("packed metrics"), metrics_packed, ref_metrics)
+    compare_metrics_exact(case, findings, _cp1("packed metrics"), metrics_packed, ref_metrics)
+
+
+def _check_host_list_vs_packed(case, findings: Findings, reference) -> None:
+    ps = cp_state(0, 1)
+    (_, _, _, _), ref_hosts = reference
 
     # the reference host, list vs packed entry point (same loss, gradients, metrics)
     for denominator in denominators():
         tag = f"[loss_denominator={denominator or 'default'}]"
         loss_l, metrics_l, grads_l = ref_hosts[denominator]
         loss_p, metrics_p, grads_p = run_host(case, host_args(case, PACKED, denominator), ps)
-        findings.check(case, kind(f"host loss list vs packed {tag}"), same_bits(loss_l, loss_p),
+        findings.check(case, _cp1(f"host loss list vs packed {tag}"), same_bits(loss_l, loss_p),
                        lambda: f"{float(loss_l)!r} vs {float(loss_p)!r}")
-        findings.check(case, kind(f"host loss finite {tag}"), bool(torch.isfinite(loss_l)), f"{float(loss_l)!r}")
-        findings.check(case, kind(f"host grads list vs packed {tag}"), same_bits(grads_l, grads_p),
+        findings.check(case, _cp1(f"host loss finite {tag}"), bool(torch.isfinite(loss_l)), f"{float(loss_l)!r}")
+        findings.check(case, _cp1(f"host grads list vs packed {tag}"), same_bits(grads_l, grads_p),
                        lambda: f"at {flat_label(case)(first_difference(grads_l, grads_p))}")
-        if findings.check(case, kind(f"host metric names list vs packed {tag}"), sorted(metrics_l) == sorted(metrics_p),
+        if findings.check(case, _cp1(f"host metric names list vs packed {tag}"), sorted(metrics_l) == sorted(metrics_p),
                           lambda: f"{sorted(set(metrics_l) ^ set(metrics_p))}"):
             for name in metrics_l:
-                findings.check(case, kind(f"host metric {name} list vs packed {tag}"),
+                findings.check(case, _cp1(f"host metric {name} list vs packed {tag}"),
                                same_bits(metrics_l[name], metrics_p[name]),
                                lambda: f"{float(metrics_l[name])!r} vs {float(metrics_p[name])!r}")
 

@@ -6,12 +6,8 @@ With ℓ = log π_old − log π_rollout of a token (π_old: the trainer's recom
   k3     = max(e^c − ℓ − 1, 0) = max(expm1(c) − ℓ, 0)   (the k3 estimator of KL(π_rollout ‖ π_old))
   ρ² − 1 = e^{2c} − 1          = expm1(2c)              (the χ² term: χ² = mean of it)
 
-Why expm1 and float64. When the engines nearly agree (a dense model, |ℓ| ~ 1e-4 and below) k3 ≈ ℓ²/2 is
-smaller than the resolution of e^c near 1 (6e-8 in float32), so "e^c − ℓ − 1" cancels: in float32 the mean
-k3 is off by −98 % at σ(ℓ) = 1e-4 and −28 % at 3e-4. expm1(c) = c + c²/2 + … keeps the relative precision of
-its small result, so only the subtraction of ℓ cancels, and in float64 it leaves about 2·10⁻¹⁶/|ℓ| relative
-error (a float32 expm1(c) − ℓ still loses ~1 % at ℓ = 1e-5). Likewise "ρ² − 1" as a square minus one cancels;
-expm1(2c) does not. Callers sum these terms in float64.
+Both in float64 with expm1, as the plugin computes them (miles_mis.ops.k3 says why: e^c − ℓ − 1 and ρ² − 1
+cancel when the engines nearly agree). Callers sum these terms in float64.
 """
 
 from __future__ import annotations
