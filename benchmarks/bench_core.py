@@ -411,7 +411,7 @@ def main() -> None:
         location_lines.append(f"B={num_seqs:<5} T={max_len:<5} location metrics: {share:.0f}% of a default call "
                               f"(packed {t_with:.2f} ms, {t_without:.2f} ms without them)")
     print("where the mismatch lives (location.local_values), default packed call with and without it, interleaved "
-          "(issue target: at most 15%):")
+          "(target: at most 15%):")
     print("\n".join(location_lines))
 
     inputs = make_inputs(64, 512)
