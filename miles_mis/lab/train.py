@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -233,122 +234,177 @@ def _scalar(value: Any) -> float:
 
 
 # --------------------------------------------------------------------------- the run
-def train(args: argparse.Namespace, progress: Progress | None = None) -> list[dict]:
-    """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl).
+@dataclass
+class LabRun:
+    """What a lab run carries from step to step."""
 
-    ``progress``: what reports each step on stderr (a :class:`Progress`, e.g. with a label); default a plain
-    ``Progress()``; none under ``--quiet``.
-    """
+    model: TinyGPT
+    optimizer: torch.optim.Optimizer
+    engine: Any
+    prompt_generator: torch.Generator
+    cp: CPContext
+    dumper: PolicyLossDumper
+    history: list[dict] = field(default_factory=list)
+    start_step: int = 0
+
+    def state_dict(self, step: int) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "engine": self.engine.state_dict(), "prompts": self.prompt_generator.get_state(),
+                "torch": torch.get_rng_state(), "history": self.history, "step": step,
+                "policy_loss_calls": self.dumper.calls}
+
+
+@dataclass
+class Rollout:
+    """One step's rollout batch: the engine's samples, their rewards and π_old (the trainer's recompute)."""
+
+    sequences: list[torch.Tensor]
+    prompt_length: int
+    response_lengths: list[int]
+    total_lengths: list[int]
+    rollout_log_probs: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor]
+    advantages: torch.Tensor
+    routing: list[torch.Tensor] | None
+
+
+def start_run(args: argparse.Namespace) -> LabRun:
+    """The model (warm-started unless resuming), optimizer, rollout engine and prompt stream; a resumed run's state."""
     cp = CPContext(args.context_parallel_size)
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     torch.manual_seed(args.seed)
     model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4, n_heads=args.n_heads,
                                 moe_experts=args.moe_experts, moe_top_k=args.moe_top_k))
-    out_dir = Path(args.out_dir)
     if args.sft_steps and not args.resume:
         warm_start(model, args.sft_steps, args.num_digits, args.seed, kind=args.task)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    engine = make_engine(args, model)
-    prompt_generator = torch.Generator().manual_seed(args.seed + 2)
-    history: list[dict] = []
-    start_step = 0
-    checkpoint_path = out_dir / "checkpoint.pt"
-    writer = cp.rank == 0
+    run = LabRun(model, optimizer, make_engine(args, model), torch.Generator().manual_seed(args.seed + 2), cp, dumper)
+    checkpoint_path = Path(args.out_dir) / "checkpoint.pt"
     if args.resume and checkpoint_path.exists():
-        state = load_checkpoint(checkpoint_path)
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            engine.load_state_dict(state["engine"])
-            prompt_generator.set_state(state["prompts"])
-            torch.set_rng_state(state["torch"])
-            history, start_step = list(state["history"]), int(state["step"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a file of another shape or model size
-            first = " ".join(str(error).split())[:300] or type(error).__name__
-            raise ValueError(f"--resume {checkpoint_path}: not a checkpoint of this lab run ({type(error).__name__}: "
-                             f"{first})") from None
-        # policy-loss calls so far (the dump counter); a checkpoint from before it was stored: one per minibatch
-        per_step = len(torch.arange(args.prompts_per_step * args.group_size).chunk(args.num_minibatches))
-        dumper.calls = int(state.get("policy_loss_calls", start_step * per_step))
+        resume(run, args, checkpoint_path)
     elif args.resume:
         raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
+    return run
+
+
+def resume(run: LabRun, args: argparse.Namespace, checkpoint_path: Path) -> None:
+    state = load_checkpoint(checkpoint_path)
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.engine.load_state_dict(state["engine"])
+        run.prompt_generator.set_state(state["prompts"])
+        torch.set_rng_state(state["torch"])
+        run.history, run.start_step = list(state["history"]), int(state["step"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a file of another shape or model size
+        first = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ValueError(f"--resume {checkpoint_path}: not a checkpoint of this lab run ({type(error).__name__}: "
+                         f"{first})") from None
+    # policy-loss calls so far (the dump counter); a checkpoint from before it was stored: one per minibatch
+    per_step = len(torch.arange(args.prompts_per_step * args.group_size).chunk(args.num_minibatches))
+    run.dumper.calls = int(state.get("policy_loss_calls", run.start_step * per_step))
+
+
+def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[Rollout, dict[str, float]]:
+    """Sync the engine (every --rollout-staleness steps), sample a GRPO batch, score it; (rollout, the step's row
+    of reward and raw mismatch metrics)."""
+    if step % args.rollout_staleness == 0:
+        run.engine.sync(run.model)
+    prompts = task.make_prompts(args.prompts_per_step, args.num_digits, run.prompt_generator)
+    prompts = prompts.repeat_interleave(args.group_size, dim=0)
+    responses, rollout_log_probs = run.engine.generate(prompts, args.num_digits + 2)
+    routing = run.engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
+    rewards = torch.tensor([task.reward(p, r, args.task) for p, r in zip(prompts, responses)])
+    sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    with torch.no_grad():
+        old_log_probs = sequence_log_probs(run.model, sequences, [prompts.shape[1]] * len(sequences),
+                                           args.rollout_temperature, routing)
+    rollout = Rollout(sequences, prompts.shape[1], [r.numel() for r in responses], [s.numel() for s in sequences],
+                      rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing)
+    row: dict[str, float] = {
+        "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "exact_match": float((rewards == 1.0).float().mean()),
+        "response_length": sum(rollout.response_lengths) / len(responses),
+        **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
+    }
+    if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
+        row["routing_mismatch"] = routing_disagreement(run.model, sequences, run.engine.last_routing)
+    return rollout, row
+
+
+def optimize(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout) -> dict[str, float]:
+    """--num-minibatches optimizer steps of the host's policy loss over the rollout batch; the metrics averaged."""
+    minibatches = torch.randperm(len(rollout.sequences)).chunk(args.num_minibatches)
+    sums: dict[str, float] = {}
+    for indices in minibatches:
+        idx = indices.tolist()
+        metrics, grad_norm = minibatch_step(run, args, step, rollout, idx)
+        for name, value in metrics.items():
+            scale = 1.0 if name == "opsm_fraction" else 1.0 / len(idx)
+            sums[name] = sums.get(name, 0.0) + value * scale / len(minibatches)
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / len(minibatches)
+    return sums
+
+
+def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout,
+                   idx: list[int]) -> tuple[dict[str, float], float]:
+    """One optimizer step on the sequences ``idx``: (the host's metrics summed over the CP group, grad norm)."""
+    cp, totals = run.cp, [rollout.total_lengths[i] for i in idx]
+    resp = [rollout.response_lengths[i] for i in idx]
+    routing = None if rollout.routing is None else [rollout.routing[i] for i in idx]
+    current_full = sequence_log_probs(run.model, [rollout.sequences[i] for i in idx],
+                                      [rollout.prompt_length] * len(idx), args.rollout_temperature, routing)
+    shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
+    batch = {
+        "advantages": shard([torch.full((resp[k],), float(rollout.advantages[i])) for k, i in enumerate(idx)]),
+        "log_probs": shard([rollout.old_log_probs[i] for i in idx]),
+        "rollout_log_probs": shard([rollout.rollout_log_probs[i] for i in idx]),
+        "loss_masks": [torch.ones(n) for n in resp],
+        "response_lengths": resp, "total_lengths": totals,
+    }
+    current = shard(current_full)
+    loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
+    run.dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
+    run.optimizer.zero_grad()
+    (loss / len(idx)).backward()  # the host returns a sum over sequences
+    for p in run.model.parameters():
+        if p.grad is not None:
+            cp.all_reduce(p.grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip)
+    run.optimizer.step()
+    values = torch.tensor([_scalar(v) for v in metrics.values()], dtype=torch.float64)
+    if cp.size > 1:  # per-batch fractions are the same on every rank; the rest are partial sums
+        partial = torch.tensor([k != "opsm_fraction" for k in metrics], dtype=torch.float64)
+        values = cp.all_reduce(values * partial) + values * (1 - partial)
+    return dict(zip(metrics, values.tolist())), float(grad_norm)
+
+
+def train(args: argparse.Namespace, progress: Progress | None = None) -> list[dict]:
+    """Run (or resume) a lab run; returns the per-step metrics (also in out-dir/metrics.jsonl).
+
+    ``progress``: what reports each step on stderr (a :class:`Progress`, e.g. with a label); default a plain
+    ``Progress()``; none under ``--quiet``.
+    """
+    run = start_run(args)
+    out_dir = Path(args.out_dir)
+    writer = run.cp.rank == 0
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in run.history))
     wandb_run = _wandb(args, out_dir) if writer else None
     if args.quiet or not writer:
         progress = None
     elif progress is None:
         progress = Progress()
-
-    for step in range(start_step, args.steps):
+    for step in range(run.start_step, args.steps):
         started = time.perf_counter()
-        if step % args.rollout_staleness == 0:
-            engine.sync(model)
-        prompts = task.make_prompts(args.prompts_per_step, args.num_digits, prompt_generator)
-        prompts = prompts.repeat_interleave(args.group_size, dim=0)
-        responses, rollout_log_probs = engine.generate(prompts, args.num_digits + 2)
-        routing = engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
-        rewards = torch.tensor([task.reward(p, r, args.task) for p, r in zip(prompts, responses)])
-        advantages = group_advantages(rewards, args.group_size)
-        prompt_len = prompts.shape[1]
-        sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-        response_lengths = [r.numel() for r in responses]
-        total_lengths = [s.numel() for s in sequences]
-        with torch.no_grad():
-            old_log_probs = sequence_log_probs(model, sequences, [prompt_len] * len(sequences),
-                                               args.rollout_temperature, routing)
-        row: dict[str, float] = {
-            "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "exact_match": float((rewards == 1.0).float().mean()),
-            "response_length": sum(response_lengths) / len(response_lengths),
-            **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
-        }
-        if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
-            row["routing_mismatch"] = routing_disagreement(model, sequences, engine.last_routing)
-
-        order = torch.randperm(len(sequences))
-        minibatches = order.chunk(args.num_minibatches)
-        sums: dict[str, float] = {}
-        for indices in minibatches:
-            idx = indices.tolist()
-            seqs = [sequences[i] for i in idx]
-            totals = [total_lengths[i] for i in idx]
-            resp = [response_lengths[i] for i in idx]
-            current_full = sequence_log_probs(model, seqs, [prompt_len] * len(seqs), args.rollout_temperature,
-                                              None if routing is None else [routing[i] for i in idx])
-            shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
-            batch = {
-                "advantages": shard([torch.full((resp[k],), float(advantages[i])) for k, i in enumerate(idx)]),
-                "log_probs": shard([old_log_probs[i] for i in idx]),
-                "rollout_log_probs": shard([rollout_log_probs[i] for i in idx]),
-                "loss_masks": [torch.ones(n) for n in resp],
-                "response_lengths": resp, "total_lengths": totals,
-            }
-            current = shard(current_full)
-            loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
-            dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
-            optimizer.zero_grad()
-            (loss / len(idx)).backward()  # the host returns a sum over sequences
-            for p in model.parameters():
-                if p.grad is not None:
-                    cp.all_reduce(p.grad)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            values = torch.tensor([_scalar(v) for v in metrics.values()], dtype=torch.float64)
-            if cp.size > 1:  # per-batch fractions are the same on every rank; the rest are partial sums
-                partial = torch.tensor([k != "opsm_fraction" for k in metrics], dtype=torch.float64)
-                values = cp.all_reduce(values * partial) + values * (1 - partial)
-            for name, value in zip(metrics, values.tolist()):
-                scale = 1.0 if name == "opsm_fraction" else 1.0 / len(idx)
-                sums[name] = sums.get(name, 0.0) + value * scale / len(minibatches)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / len(minibatches)
-        row.update(sums)
+        rollout, row = collect_rollout(run, args, step)
+        row.update(optimize(run, args, step, rollout))
         row["seconds"] = time.perf_counter() - started
         if not all(math.isfinite(v) for v in row.values()):
             raise FloatingPointError(f"step {step + 1}: non-finite metrics {row}")
-        history.append(row)
+        run.history.append(row)
         if writer:
             with open(out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -357,16 +413,12 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> list[di
             if progress is not None:
                 progress(step + 1, args.steps, row)
             if args.save_interval and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "engine": engine.state_dict(), "prompts": prompt_generator.get_state(),
-                            "torch": torch.get_rng_state(), "history": history, "step": step + 1,
-                            "policy_loss_calls": dumper.calls},
-                           checkpoint_path)
+                torch.save(run.state_dict(step + 1), out_dir / "checkpoint.pt")
     if progress is not None:
         progress.close()
     if wandb_run is not None:
         wandb_run.finish()
-    return history
+    return run.history
 
 
 class Progress:
