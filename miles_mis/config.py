@@ -5,8 +5,9 @@ It is built once at the boundary, from a YAML file (`MisConfig.from_yaml`), a ma
 or a mapping read as `from_dict` reads it), and everything below the adapter layer reads only this frozen
 dataclass. Every constructor ends in the same ``MisConfig(**keys)``, so they give the same answers.
 
-Key names and meanings follow miles' ``mis.yaml``. Every error is a ``ValueError`` that names
-the key, the bad value and what is allowed.
+Key names and meanings follow miles' ``mis.yaml``. `KEY_SPECS` is the table of the keys: it declares
+MisConfig's fields and drives their checks, the did-you-mean suggestions and the key table of docs/config.md
+(`render_key_table`). Every error is a ``ValueError`` that names the key, the bad value and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import math
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+from .gate import STATISTICS as GATE_STATISTICS
 
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
@@ -27,6 +30,8 @@ AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+# Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
+RATIO_MIN, RATIO_MAX = math.exp(-20.0), math.exp(20.0)
 
 # Attributes a miles/slime host owns that start with the prefixes we police on a Namespace;
 # they belong to the host's built-in vanilla TIS, not to us.
@@ -35,6 +40,298 @@ HOST_OWNED_ATTRIBUTES = frozenset({"tis_clip", "tis_clip_low"})
 HOST_FLAG_KEYS = frozenset({"use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "tis_clip",
                             "tis_clip_low", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
                             "loss_denominator", "loss_type", "use_opsm", "opsm_delta", "qkv_format"})
+
+
+# ---------------------------------------------------------------------- key specifications
+@dataclass(frozen=True)
+class KeySpec:
+    """One config key: its name, kind, default, what it accepts and one line saying what it does (``doc``).
+
+    The kind says what the key accepts and how `parse` reads it (null only where the default is null):
+
+    - ``bool``: true or false; ``choice``: one of ``choices``;
+    - ``fraction``: a number in (0, ``maximum``), or (0, ``maximum``] with ``includes_maximum``; a larger number is
+      the error ``too_large``, a format string of ``key``, ``value`` (as given) and ``number`` (as read);
+    - ``range``: a ratio range "L_U" or [L, U], 0 < L < U;
+    - ``mapping``: a mapping from one of ``choices`` to a threshold (read by its dedicated ``parser``);
+    - ``bound``: a ratio bound, a number > 0 (or one of ``choices``); the bounds default to one another, so they
+      are resolved together after the other keys (`_resolve_fixed_bounds`, `_resolve_adaptive_bounds`).
+
+    ``parser`` replaces the kind's parser; ``allowed`` and ``shown_default`` replace what the docs' key table
+    derives from the kind and the default.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    maximum: float | None = None
+    includes_maximum: bool = False
+    too_large: str = ""
+    parser: Callable[[KeySpec, Any], Any] | None = None
+    allowed: str = ""
+    shown_default: str = ""
+
+    def parse(self, value: Any) -> Any:
+        """``value`` checked and normalised, or a ``ValueError`` naming the key, the value and what is allowed."""
+        return (self.parser or _KIND_PARSERS[self.kind])(self, value)
+
+    @property
+    def annotation(self) -> str:
+        """The field's type, as MisConfig declares it."""
+        if self.kind == "bool":
+            return "bool"
+        if self.kind == "choice":
+            return "str"
+        if self.kind in ("fraction", "bound") and not self.choices:
+            return "float | None" if self.default is None else "float"
+        return "Any"  # a number or a word, a range, a mapping
+
+    def table_row(self) -> str:
+        """This key's row of the docs' key table: key | type / allowed | default | meaning."""
+        return f"| `{self.name}` | {self.allowed or self._derived_allowed()} | " \
+               f"{self.shown_default or _yaml_text(self.default)} | {self.doc} |"
+
+    def _derived_allowed(self) -> str:
+        null = "null or " if self.default is None else ""
+        if self.kind == "bool":
+            return "bool"
+        if self.kind == "choice":
+            return ", ".join(self.choices)
+        if self.kind == "fraction":
+            return f"{null}number in (0, {self.maximum:g}{']' if self.includes_maximum else ')'}"
+        if self.kind == "bound":
+            return f"{null}number > 0" + "".join(f", or {word}" for word in self.choices)
+        if self.kind == "range":
+            return f'{null}"L_U" or [L, U]'
+        return f"{null}mapping of {', '.join(self.choices)} → threshold"
+
+
+def _yaml_text(value: Any) -> str:
+    """A default as a YAML file writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return f"[{', '.join(map(_yaml_text, value))}]"
+    return "null" if value is None else str(value)
+
+
+# ---------------------------------------------------------------------- parsers of the kinds and of special keys
+def _shown(value: Any) -> str:
+    """A value as an error shows it: repr, but as the user wrote it in YAML where that differs (null for None,
+    0.5_3 for the number YAML 1.1 reads from it)."""
+    return "null" if value is None else getattr(value, "yaml_text", None) or repr(value)
+
+
+def _did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _as_bool(spec: KeySpec, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{spec.name}={value!r} is invalid: allowed values are true or false")
+
+
+def _as_choice(spec: KeySpec, value: Any) -> str:
+    if isinstance(value, str) and value in spec.choices:
+        return value
+    hint = _did_you_mean(str(value), spec.choices) if isinstance(value, str) else ""
+    raise ValueError(f"{spec.name}={value!r} is invalid{hint}: allowed values are {', '.join(spec.choices)}")
+
+
+def _as_positive(key: str, value: Any, *, default: float | None = None, required: bool = False) -> float | None:
+    """A finite positive float; YAML 1.1 reads ``1e-4`` as the string "1e-4", so numeric strings are accepted."""
+    if value is None:
+        if required:
+            raise ValueError(f"{key} is required (got null): allowed values are positive numbers")
+        return default
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{key}={value!r} is invalid: allowed values are finite positive numbers")
+    return number
+
+
+def _as_fraction(spec: KeySpec, value: Any) -> float | None:
+    number = _as_positive(spec.name, value, required=spec.default is not None)
+    if number is not None and (number > spec.maximum if spec.includes_maximum else number >= spec.maximum):
+        raise ValueError(spec.too_large.format(key=spec.name, value=value, number=number))
+    return number
+
+
+def _as_range(key: str, value: Any) -> tuple[float, float]:
+    """A ratio range written "L_U" (verl) or [L, U]; 0 < L < U."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = getattr(value, "yaml_text", None)
+        if text is not None:  # YAML 1.1 read an unquoted L_U as one number: underscores are digit separators
+            parts = text.split("_")
+            listed = f"[{parts[0]}, {parts[1]}]" if len(parts) == 2 else "[L, U]"
+            raise ValueError(f"{key}: {text} is invalid: YAML reads an unquoted {text} as the number {value!r} "
+                             f"(underscores are digit separators); quote it (\"{text}\") or write {listed}")
+        raise ValueError(f"{key}={value!r} is invalid: a range is two numbers, \"L_U\" (quoted in YAML: unquoted, "
+                         "0.5_2 is the number 0.52) or [L, U] with 0 < L < U")
+    parts = value.split("_") if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        raise ValueError(f"{key}={value!r} is invalid: allowed values are a ratio range \"L_U\" (e.g. \"0.5_2.0\") "
+                         "or [L, U] with 0 < L < U")
+    lower = _as_positive(f"{key} lower", parts[0], required=True)
+    upper = _as_positive(f"{key} upper", parts[1], required=True)
+    _check_order(f"{key} lower", lower, f"{key} upper", upper)
+    return lower, upper
+
+
+def _as_optional_range(spec: KeySpec, value: Any) -> tuple[float, float] | None:
+    return None if value is None and spec.default is None else _as_range(spec.name, value)
+
+
+def _as_search_range(spec: KeySpec, value: Any) -> tuple[float, float]:
+    """The adaptive bound's search range: a ratio range whose lower end is at least 1."""
+    bounds = _as_range(spec.name, value)
+    if bounds[0] < 1.0:
+        raise ValueError(f"{spec.name}={list(bounds)!r} is invalid: a truncation bound below 1 truncates on-policy "
+                         f"tokens (ratio 1); allowed values are [L, U] with 1 <= L < U <= {RATIO_MAX:.3g}")
+    return bounds
+
+
+def _as_divergence(spec: KeySpec, value: Any) -> tuple[tuple[str, float | None, float], ...]:
+    """rs_divergence as ((option, lower or None, upper), ...) in ``spec.choices`` order: k1 options take a ratio
+    range, k2/k3 options an upper bound (lower None)."""
+    if value is None:
+        return ()
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 3 for v in value):
+        value = {option: (upper if lower is None else [lower, upper]) for option, lower, upper in value}
+
+    def check(option: str, threshold: Any) -> tuple[str, float | None, float]:
+        key = f"{spec.name}.{option}"
+        if option.endswith("_k1"):
+            return (option, *_as_range(key, threshold))
+        if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
+            raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
+                             "statistic (a positive number), k1 options take a ratio range")
+        return option, None, _as_positive(key, threshold, required=True)
+
+    return _named_mapping(spec, value, "option", check,
+                          "a mapping from option to threshold, e.g. {seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}")
+
+
+def _as_gate(spec: KeySpec, value: Any) -> tuple[tuple[str, float], ...]:
+    """rs_batch_gate as ((statistic, threshold), ...) in ``spec.choices`` (gate.STATISTICS) order."""
+    if value is None or value == () or value == {}:  # off ({} as YAML writes an empty mapping)
+        return ()
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        value = dict(value)
+
+    def check(name: str, threshold: Any) -> tuple[str, float]:
+        return name, _as_positive(f"{spec.name}.{name}", threshold, required=True)
+
+    return _named_mapping(spec, value, "statistic", check, f"a mapping from statistic ({', '.join(spec.choices)}) "
+                                                           "to a threshold, e.g. {k3: 0.05}")
+
+
+def _named_mapping(spec: KeySpec, value: Any, what: str, check, shape: str) -> tuple:
+    """A mapping name -> setting, validated: every name one of ``spec.choices`` (did-you-mean otherwise), each entry
+    ``check(name, setting)``; returned as a tuple of the checked entries in ``spec.choices`` order."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{spec.name}={value!r} is invalid: allowed values are null or {shape}")
+    out = {}
+    for name, setting in value.items():
+        if name not in spec.choices:
+            raise ValueError(f"{spec.name}: unknown {what} {name!r}{_did_you_mean(str(name), spec.choices)}; "
+                             f"allowed {what}s: {', '.join(spec.choices)}")
+        out[name] = check(name, setting)
+    return tuple(out[name] for name in spec.choices if name in out)
+
+
+def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, note: str = "") -> None:
+    for key, value in ((lower_key, lower), (upper_key, upper)):
+        if not RATIO_MIN <= value <= RATIO_MAX:
+            raise ValueError(f"{key}={value!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed values "
+                             f"are in [{RATIO_MIN:.3g}, {RATIO_MAX:.3g}] (a bound outside could never act)")
+    if not lower < upper:
+        raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}{note}: "
+                         "allowed values are 0 < lower < upper")
+
+
+_KIND_PARSERS = {"bool": _as_bool, "choice": _as_choice, "fraction": _as_fraction, "range": _as_optional_range}
+
+# ---------------------------------------------------------------------- the key table
+KEY_SPECS = (
+    KeySpec("use_tis", "bool", False, "apply the correction; false = metrics-only",
+            shown_default="the host's `--use-tis` flag"),
+    KeySpec("use_rs", "bool", False, "rejection sampling at `rs_level`: reject what leaves [`rs_lower_bound`, "
+                                     "`rs_upper_bound`]"),
+    KeySpec("tis_level", "choice", "token", "level of the IS weight ([math](math.md#levels-level_log_ratio))",
+            choices=LEVELS),
+    KeySpec("rs_level", "choice", "token", "level of the RS test", choices=LEVELS),
+    KeySpec("tis_mode", "choice", "truncate", "how the weight is bounded ([math](math.md#is-modes-bound_weights))",
+            choices=TIS_MODES),
+    KeySpec("tis_lower_bound", "bound", None, "L (unused by truncate; with `tis_upper_bound: auto` it stays unset)",
+            shown_default="1 / `tis_upper_bound`"),
+    KeySpec("tis_upper_bound", "bound", 2.0, "U; `auto` (tis_mode truncate): chosen per call, the largest bound in "
+            "`tis_auto_bounds` whose truncated weights keep the ESS ≥ `tis_auto_target_ess` "
+            "([math](math.md#the-adaptive-bound-miles_misadaptivepy)); with `use_rs`, set the rs bounds explicitly",
+            choices=(AUTO,)),
+    KeySpec("rs_lower_bound", "bound", None, "the RS test's lower bound", shown_default="`tis_lower_bound`"),
+    KeySpec("rs_upper_bound", "bound", None, "the RS test's upper bound", shown_default="`tis_upper_bound`"),
+    KeySpec("rs_veto_threshold", "fraction", None, "reject a sequence holding a token with ρ < threshold; null = off",
+            maximum=1.0, too_large="{key}={number!r} is invalid: it is a probability ratio below which a token is "
+            "catastrophic; allowed values are null (off) or a number in (0, 1), typically 1e-4 to 1e-6"),
+    KeySpec("tis_batch_normalize", "bool", False, "divide the weights by their mean over what is trained"),
+    KeySpec("tis_batch_normalize_scope", "choice", "micro_batch", "the mean of this micro-batch (as miles), or over "
+            "the current micro-batch of every data-parallel rank (one more all-reduce per call; "
+            "[cp.md](cp.md#batch-normalisation-scope))", choices=NORMALIZE_SCOPES),
+    KeySpec("tis_bounds", "range", None, "sets `tis_lower_bound` and `tis_upper_bound` at once (verl's IcePop "
+            "spelling); not together with either of them"),
+    KeySpec("rs_divergence", "mapping", None, "rejection by divergence statistics "
+            "([math](math.md#rejection-by-divergence-statistics-miles_misdivergencepy)): k1 options take a ratio "
+            "range \"L_U\" or [L, U], k2/k3 options an upper bound; all ANDed", choices=DIVERGENCE_OPTIONS,
+            parser=_as_divergence),
+    KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_misgatepy)): "
+            "statistics of the whole micro-batch (every CP rank's tokens); when any exceeds its threshold, every "
+            "weight and mask of the micro-batch is 0, `mis_batch_gated` is 1 and a warning is logged (logger "
+            "`miles_mis`). E.g. `{k3: 0.05}`", choices=GATE_STATISTICS, parser=_as_gate),
+    KeySpec("rs_batch_gate_scope", "choice", "micro_batch", "the gate's statistics over this micro-batch, or over "
+            "the current micro-batch of every data-parallel rank (one more DP exchange per call)",
+            choices=NORMALIZE_SCOPES),
+    KeySpec("metrics_low_prob_threshold", "fraction", 0.1, "θ of `mis_k3_low_rollout_prob`: tokens the engine "
+            "sampled with probability below θ", maximum=1.0,
+            too_large="{key}={value!r} is invalid: allowed values are probabilities in (0, 1)"),
+    KeySpec("tis_auto_target_ess", "fraction", 0.9, "the ESS the adaptive bound keeps (only with "
+            "`tis_upper_bound: auto`)", maximum=1.0, includes_maximum=True,
+            too_large="{key}={value!r} is invalid: an ESS fraction; allowed values are in (0, 1]"),
+    KeySpec("tis_auto_bounds", "range", (1.2, 20.0), "the adaptive bound's search range (64 geometric candidates; "
+            "only with `tis_upper_bound: auto`)", parser=_as_search_range,
+            allowed="\"L_U\" or [L, U], 1 ≤ L < U ≤ e²⁰"),
+    KeySpec("tis_auto_scope", "choice", "micro_batch", "the adaptive bound over this micro-batch (every CP rank's "
+            "tokens) or over the current micro-batch of every data-parallel rank (one more fixed-size DP exchange "
+            "per call; only with `tis_upper_bound: auto`)", choices=NORMALIZE_SCOPES),
+)
+KEY_NAMES = tuple(spec.name for spec in KEY_SPECS)
+KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
+# The order the keys are parsed in, so that of several bad values the same one is reported: every key but the
+# bounds, which are resolved together afterwards.
+PARSE_ORDER = ("use_tis", "use_rs", "tis_batch_normalize", "tis_level", "rs_level", "tis_mode",
+               "tis_batch_normalize_scope", "tis_bounds", "rs_divergence", "rs_batch_gate", "rs_batch_gate_scope",
+               "metrics_low_prob_threshold", "rs_veto_threshold", "tis_auto_target_ess", "tis_auto_bounds",
+               "tis_auto_scope")
+# The bounds tis_bounds sets: giving one of them with tis_bounds is an error, even at its default's value.
+ALIASED_BOUNDS = ("tis_lower_bound", "tis_upper_bound")
+ADAPTIVE_KEYS = tuple(name for name in KEY_NAMES if name.startswith("tis_auto_"))
+
+
+def render_key_table() -> str:
+    """The markdown key table of docs/config.md, one row per `KEY_SPECS` entry."""
+    return "\n".join(["| key | type / allowed | default | meaning |", "|---|---|---|---|",
+                      *(spec.table_row() for spec in KEY_SPECS)])
 
 
 class _Unset:
@@ -51,59 +348,24 @@ class _Unset:
         return repr(self.value)
 
 
+def _key_fields(cls: type) -> type:
+    """Declare one field per `KEY_SPECS` entry on ``cls``, in table order, for ``@dataclass`` to read."""
+    cls.__annotations__ = {spec.name: spec.annotation for spec in KEY_SPECS}
+    for spec in KEY_SPECS:
+        setattr(cls, spec.name, _Unset(spec.default) if spec.name in ALIASED_BOUNDS else spec.default)
+    return cls
+
+
 @dataclass(frozen=True)
+@_key_fields
 class MisConfig:
-    """Effective correction settings (defaults already resolved).
+    """Effective correction settings (defaults already resolved): one field per `KEY_SPECS` entry, in that order.
 
-    use_tis: apply the correction (weights and rejections); False = metrics-only mode.
-    use_rs: reject tokens/sequences whose ratio at ``rs_level`` leaves [rs_lower_bound, rs_upper_bound].
-    tis_level / rs_level: "token" | "sequence" | "geometric".
-    tis_mode: "truncate" | "clip" | "mask" | "icepop".
-    tis_upper_bound: a number, or "auto" (tis_mode truncate only): each call picks the largest bound in
-        tis_auto_bounds whose truncated weights keep the batch's ESS >= tis_auto_target_ess (miles_mis.adaptive).
-    tis_lower_bound: defaults to 1 / tis_upper_bound (with "auto": unset, truncate has no lower bound).
-    tis_auto_target_ess: the ESS the adaptive bound keeps, in (0, 1].
-    tis_auto_bounds: the adaptive bound's search range [U_lo, U_hi], 1 <= U_lo < U_hi, "L_U" or [L, U].
-    tis_auto_scope: "micro_batch" (the tokens of every CP rank of this micro-batch) or "dp" (also of every
-        data-parallel rank: one more exchange of a fixed-size histogram per call).
-    rs_lower_bound / rs_upper_bound: default to the (resolved) tis bounds.
-    rs_veto_threshold: None = off; otherwise a sequence with any valid token whose ratio is
-        below it is rejected whole.
-    tis_batch_normalize: rescale the final weights to mean 1 over what is trained.
-    tis_batch_normalize_scope: "micro_batch" (the mean of this micro-batch, as miles) or "dp" (the mean
-        over the current micro-batch of every data-parallel rank: one more all-reduce per call).
-    tis_bounds: alias setting both tis bounds at once, "L_U" or [L, U] (verl's IcePop spelling).
-    rs_batch_gate: a mapping statistic -> threshold (statistics: k3, kl, max_abs_log_ratio of the whole
-        micro-batch); when any is exceeded every weight and mask of the micro-batch is 0. Stored as a tuple
-        of (statistic, threshold) in miles_mis.gate.STATISTICS order.
-    rs_batch_gate_scope: "micro_batch" (every CP rank of this micro-batch) or "dp" (also every DP rank).
-    metrics_low_prob_threshold: θ of mis_k3_low_rollout_prob (tokens with π_rollout < θ), in (0, 1).
-    rs_divergence: rejection by divergence statistics, a mapping option -> threshold, all ANDed; k1
-        options take a ratio range "L_U" or [L, U], k2/k3 options an upper bound. Stored normalised as a
-        tuple of (option, lower, upper) in DIVERGENCE_OPTIONS order (lower None for k2/k3).
+    Stored forms: tis_lower_bound defaults to 1 / tis_upper_bound (None with ``tis_upper_bound: auto``), the rs
+    bounds to the tis bounds; tis_bounds is an input alias only (None once it has set the tis bounds);
+    rs_divergence is a tuple of (option, lower, upper) in DIVERGENCE_OPTIONS order (lower None for k2/k3),
+    rs_batch_gate a tuple of (statistic, threshold) in gate.STATISTICS order, tis_auto_bounds a tuple (L, U).
     """
-
-    use_tis: bool = False
-    use_rs: bool = False
-    tis_level: str = "token"
-    rs_level: str = "token"
-    tis_mode: str = "truncate"
-    # _Unset: "not given" (tis_bounds may set them), resolved in __post_init__ to None (-> 1 / upper) and 2.0
-    tis_lower_bound: float | None = _Unset(None)  # type: ignore[assignment]
-    tis_upper_bound: Any = _Unset(2.0)
-    rs_lower_bound: float | None = None
-    rs_upper_bound: float | None = None
-    rs_veto_threshold: float | None = None
-    tis_batch_normalize: bool = False
-    tis_batch_normalize_scope: str = "micro_batch"
-    tis_bounds: Any = None
-    rs_divergence: Any = None
-    rs_batch_gate: Any = None
-    rs_batch_gate_scope: str = "micro_batch"
-    metrics_low_prob_threshold: float = 0.1
-    tis_auto_target_ess: float = 0.9
-    tis_auto_bounds: Any = (1.2, 20.0)
-    tis_auto_scope: str = "micro_batch"
 
     @property
     def adaptive_bound(self) -> bool:
@@ -111,123 +373,24 @@ class MisConfig:
         return self.tis_upper_bound == AUTO
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        self._check_tis_bounds_alone()
-        for name in ("use_tis", "use_rs", "tis_batch_normalize"):
-            set_(name, _as_bool(name, getattr(self, name)))
-        set_("tis_level", _as_choice("tis_level", self.tis_level, LEVELS))
-        set_("rs_level", _as_choice("rs_level", self.rs_level, LEVELS))
-        set_("tis_mode", _as_choice("tis_mode", self.tis_mode, TIS_MODES))
-        set_("tis_batch_normalize_scope",
-             _as_choice("tis_batch_normalize_scope", self.tis_batch_normalize_scope, NORMALIZE_SCOPES))
-
-        if self.tis_bounds is not None:
-            lower_alias, upper_alias = _as_range("tis_bounds", self.tis_bounds)
-            set_("tis_lower_bound", lower_alias)
-            set_("tis_upper_bound", upper_alias)
-            set_("tis_bounds", None)  # an input alias only: the bounds carry the values
-        set_("rs_divergence", _as_divergence(self.rs_divergence))
-        set_("rs_batch_gate", _as_gate(self.rs_batch_gate))
-        set_("rs_batch_gate_scope", _as_choice("rs_batch_gate_scope", self.rs_batch_gate_scope, NORMALIZE_SCOPES))
-        low = _as_positive("metrics_low_prob_threshold", self.metrics_low_prob_threshold, required=True)
-        if not low < 1.0:
-            raise ValueError(f"metrics_low_prob_threshold={self.metrics_low_prob_threshold!r} is invalid: allowed "
-                             "values are probabilities in (0, 1)")
-        set_("metrics_low_prob_threshold", low)
-        veto = _as_positive("rs_veto_threshold", self.rs_veto_threshold, default=None)
-        if veto is not None and veto >= 1.0:
-            raise ValueError(
-                f"rs_veto_threshold={veto!r} is invalid: it is a probability ratio below which a token is "
-                "catastrophic; allowed values are null (off) or a number in (0, 1), typically 1e-4 to 1e-6"
-            )
-        set_("rs_veto_threshold", veto)
-        if self._check_adaptive():
-            return
-        try:
-            upper = _as_positive("tis_upper_bound", self.tis_upper_bound, required=True)
-        except ValueError as error:
-            raise ValueError(f"{error} or auto (an adaptive bound, tis_mode truncate)") from None
-        lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=1.0 / upper)
-        if self.tis_mode != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
-            _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
-        elif upper > RATIO_MAX:
-            raise ValueError(f"tis_upper_bound={upper!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed "
-                             f"values are at most {RATIO_MAX:.3g} (a larger bound could never act)")
-        rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=upper)
-        rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
-        if self.use_rs:
-            _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper,
-                         note="" if self.rs_lower_bound is not None and self.rs_upper_bound is not None
-                         else " (an unset rs bound takes the tis bound, and tis_lower_bound defaults to "
-                              "1/tis_upper_bound)")
-        set_("tis_upper_bound", upper)
-        set_("tis_lower_bound", lower)
-        set_("rs_upper_bound", rs_upper)
-        set_("rs_lower_bound", rs_lower)
-
-    def _check_tis_bounds_alone(self) -> None:
-        """Refuse ``tis_bounds`` with either tis bound given, whatever the bound's value (an explicit
-        ``tis_upper_bound: 2.0`` or ``tis_lower_bound: null`` too: the alias would silently replace it), then
-        resolve the bounds not given to their defaults."""
-        names = ("tis_lower_bound", "tis_upper_bound")
-        given = [name for name in names if not isinstance(getattr(self, name), _Unset)]
-        if self.tis_bounds is not None and given:
-            shown = " and ".join(f"{name}={_shown(getattr(self, name))}" for name in given)
-            raise ValueError(f"tis_bounds={_shown(self.tis_bounds)} is given with {shown}: tis_bounds sets "
-                             "tis_lower_bound and tis_upper_bound, so give either tis_bounds or the two bounds, "
-                             "not both")
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, _Unset):
-                object.__setattr__(self, name, value.value)
-
-    def _check_adaptive(self) -> bool:
-        """Validate the tis_auto_* keys; with ``tis_upper_bound: auto`` resolve the bounds and return True."""
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        target = _as_positive("tis_auto_target_ess", self.tis_auto_target_ess, required=True)
-        if target > 1.0:
-            raise ValueError(f"tis_auto_target_ess={self.tis_auto_target_ess!r} is invalid: an ESS fraction; "
-                             "allowed values are in (0, 1]")
-        bounds = _as_range("tis_auto_bounds", self.tis_auto_bounds)
-        if bounds[0] < 1.0:
-            raise ValueError(f"tis_auto_bounds={list(bounds)!r} is invalid: a truncation bound below 1 truncates "
-                             "on-policy tokens (ratio 1); allowed values are [L, U] with 1 <= L < U <= "
-                             f"{RATIO_MAX:.3g}")
-        scope = _as_choice("tis_auto_scope", self.tis_auto_scope, NORMALIZE_SCOPES)
-        set_("tis_auto_target_ess", target)
-        set_("tis_auto_bounds", bounds)
-        set_("tis_auto_scope", scope)
-        if not self.adaptive_bound:
-            if isinstance(self.tis_upper_bound, str) and self.tis_upper_bound.strip().lower() == AUTO:
-                raise ValueError(f"tis_upper_bound={self.tis_upper_bound!r} is invalid: write auto (lower case) "
-                                 "or a number")
-            changed = [key for key, default in (("tis_auto_target_ess", 0.9), ("tis_auto_bounds", (1.2, 20.0)),
-                                                ("tis_auto_scope", "micro_batch")) if getattr(self, key) != default]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} only act with tis_upper_bound: auto (tis_upper_bound is "
-                                 f"{self.tis_upper_bound!r}): set tis_upper_bound: auto or remove them")
-            return False
-        if self.tis_mode != "truncate":
-            raise ValueError(f"tis_upper_bound: auto is a truncation bound: allowed only with tis_mode truncate "
-                             f"(tis_mode is {self.tis_mode!r})")
-        lower = _as_positive("tis_lower_bound", self.tis_lower_bound, default=None)
-        rs_upper = _as_positive("rs_upper_bound", self.rs_upper_bound, default=None)
-        rs_lower = _as_positive("rs_lower_bound", self.rs_lower_bound, default=lower)
-        if self.use_rs:
-            if rs_upper is None or rs_lower is None:
-                raise ValueError("with tis_upper_bound: auto and use_rs, set rs_lower_bound and rs_upper_bound (or "
-                                 "tis_lower_bound): unset rs bounds take the tis bounds, and the upper one changes "
-                                 "every call")
-            _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper)
-        set_("tis_lower_bound", lower)
-        set_("rs_upper_bound", rs_upper)
-        set_("rs_lower_bound", rs_lower)
-        return True
+        values = {name: getattr(self, name) for name in KEY_NAMES}
+        _resolve_unset_bounds(values)
+        for name in PARSE_ORDER:
+            values[name] = KEYS_BY_NAME[name].parse(values[name])
+        if values["tis_bounds"] is not None:  # an input alias only: the bounds carry the values
+            values["tis_lower_bound"], values["tis_upper_bound"] = values["tis_bounds"]
+            values["tis_bounds"] = None
+        if values["tis_upper_bound"] == AUTO:
+            _resolve_adaptive_bounds(values)
+        else:
+            _resolve_fixed_bounds(values)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # frozen
 
     # ------------------------------------------------------------------ constructors
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return KEY_NAMES
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "MisConfig":
@@ -316,6 +479,69 @@ class MisConfig:
         out["rs_batch_gate"] = dict(self.rs_batch_gate) or None
         out["tis_auto_bounds"] = list(self.tis_auto_bounds)
         return out
+
+
+# ---------------------------------------------------------------------- the bounds, resolved together
+def _resolve_unset_bounds(values: dict[str, Any]) -> None:
+    """Refuse ``tis_bounds`` with either tis bound given, whatever the bound's value (an explicit
+    ``tis_upper_bound: 2.0`` or ``tis_lower_bound: null`` too: the alias would silently replace it), then
+    resolve the bounds not given to their defaults."""
+    given = [name for name in ALIASED_BOUNDS if not isinstance(values[name], _Unset)]
+    if values["tis_bounds"] is not None and given:
+        shown = " and ".join(f"{name}={_shown(values[name])}" for name in given)
+        raise ValueError(f"tis_bounds={_shown(values['tis_bounds'])} is given with {shown}: tis_bounds sets "
+                         "tis_lower_bound and tis_upper_bound, so give either tis_bounds or the two bounds, "
+                         "not both")
+    for name in ALIASED_BOUNDS:
+        if isinstance(values[name], _Unset):
+            values[name] = values[name].value
+
+
+def _resolve_adaptive_bounds(values: dict[str, Any]) -> None:
+    """The bounds with ``tis_upper_bound: auto``: no default lower bound, and explicit rs bounds with use_rs."""
+    if values["tis_mode"] != "truncate":
+        raise ValueError(f"tis_upper_bound: auto is a truncation bound: allowed only with tis_mode truncate "
+                         f"(tis_mode is {values['tis_mode']!r})")
+    lower = _as_positive("tis_lower_bound", values["tis_lower_bound"], default=None)
+    rs_upper = _as_positive("rs_upper_bound", values["rs_upper_bound"], default=None)
+    rs_lower = _as_positive("rs_lower_bound", values["rs_lower_bound"], default=lower)
+    if values["use_rs"]:
+        if rs_upper is None or rs_lower is None:
+            raise ValueError("with tis_upper_bound: auto and use_rs, set rs_lower_bound and rs_upper_bound (or "
+                             "tis_lower_bound): unset rs bounds take the tis bounds, and the upper one changes "
+                             "every call")
+        _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper)
+    values.update(tis_lower_bound=lower, rs_upper_bound=rs_upper, rs_lower_bound=rs_lower)
+
+
+def _resolve_fixed_bounds(values: dict[str, Any]) -> None:
+    """The bounds with a numeric tis_upper_bound: tis_lower_bound defaults to 1 / tis_upper_bound, the rs bounds to
+    the tis bounds; the tis_auto_* keys must keep their defaults (they would do nothing)."""
+    upper = values["tis_upper_bound"]
+    if isinstance(upper, str) and upper.strip().lower() == AUTO:
+        raise ValueError(f"tis_upper_bound={upper!r} is invalid: write auto (lower case) or a number")
+    changed = [name for name in ADAPTIVE_KEYS if values[name] != KEYS_BY_NAME[name].default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} only act with tis_upper_bound: auto (tis_upper_bound is "
+                         f"{upper!r}): set tis_upper_bound: auto or remove them")
+    try:
+        upper = _as_positive("tis_upper_bound", upper, required=True)
+    except ValueError as error:
+        raise ValueError(f"{error} or auto (an adaptive bound, tis_mode truncate)") from None
+    lower = _as_positive("tis_lower_bound", values["tis_lower_bound"], default=1.0 / upper)
+    if values["tis_mode"] != "truncate":  # truncate has no lower bound: min(rho, U) with U <= 1 is fine
+        _check_order("tis_lower_bound", lower, "tis_upper_bound", upper)
+    elif upper > RATIO_MAX:
+        raise ValueError(f"tis_upper_bound={upper!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed "
+                         f"values are at most {RATIO_MAX:.3g} (a larger bound could never act)")
+    rs_upper = _as_positive("rs_upper_bound", values["rs_upper_bound"], default=upper)
+    rs_lower = _as_positive("rs_lower_bound", values["rs_lower_bound"], default=lower)
+    if values["use_rs"]:
+        both_given = values["rs_lower_bound"] is not None and values["rs_upper_bound"] is not None
+        _check_order("rs_lower_bound", rs_lower, "rs_upper_bound", rs_upper,
+                     note="" if both_given else " (an unset rs bound takes the tis bound, and tis_lower_bound "
+                                                "defaults to 1/tis_upper_bound)")
+    values.update(tis_upper_bound=upper, tis_lower_bound=lower, rs_upper_bound=rs_upper, rs_lower_bound=rs_lower)
 
 
 def preset_files() -> dict[str, Path]:
@@ -428,132 +654,3 @@ def _strict_loader():
                                  number(YamlInt, yaml.constructor.SafeConstructor.construct_yaml_int))
     _LOADER = StrictLoader
     return _LOADER
-
-
-# ---------------------------------------------------------------------- validation helpers
-def _shown(value: Any) -> str:
-    """A value as an error shows it: repr, but as the user wrote it in YAML where that differs (null for None,
-    0.5_3 for the number YAML 1.1 reads from it)."""
-    return "null" if value is None else getattr(value, "yaml_text", None) or repr(value)
-
-
-def _did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"{key}={value!r} is invalid: allowed values are true or false")
-
-
-def _as_choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if isinstance(value, str) and value in allowed:
-        return value
-    hint = _did_you_mean(str(value), allowed) if isinstance(value, str) else ""
-    raise ValueError(f"{key}={value!r} is invalid{hint}: allowed values are {', '.join(allowed)}")
-
-
-def _as_positive(key: str, value: Any, *, default: float | None = None, required: bool = False) -> float | None:
-    """A finite positive float; YAML 1.1 reads ``1e-4`` as the string "1e-4", so numeric strings are accepted."""
-    if value is None:
-        if required:
-            raise ValueError(f"{key} is required (got null): allowed values are positive numbers")
-        return default
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            number = None
-    if number is None or not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{key}={value!r} is invalid: allowed values are finite positive numbers")
-    return number
-
-
-def _as_range(key: str, value: Any) -> tuple[float, float]:
-    """A ratio range written "L_U" (verl) or [L, U]; 0 < L < U."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        text = getattr(value, "yaml_text", None)
-        if text is not None:  # YAML 1.1 read an unquoted L_U as one number: underscores are digit separators
-            parts = text.split("_")
-            listed = f"[{parts[0]}, {parts[1]}]" if len(parts) == 2 else "[L, U]"
-            raise ValueError(f"{key}: {text} is invalid: YAML reads an unquoted {text} as the number {value!r} "
-                             f"(underscores are digit separators); quote it (\"{text}\") or write {listed}")
-        raise ValueError(f"{key}={value!r} is invalid: a range is two numbers, \"L_U\" (quoted in YAML: unquoted, "
-                         "0.5_2 is the number 0.52) or [L, U] with 0 < L < U")
-    parts = value.split("_") if isinstance(value, str) else value
-    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
-        raise ValueError(f"{key}={value!r} is invalid: allowed values are a ratio range \"L_U\" (e.g. \"0.5_2.0\") "
-                         "or [L, U] with 0 < L < U")
-    lower = _as_positive(f"{key} lower", parts[0], required=True)
-    upper = _as_positive(f"{key} upper", parts[1], required=True)
-    _check_order(f"{key} lower", lower, f"{key} upper", upper)
-    return lower, upper
-
-
-def _as_divergence(value: Any) -> tuple[tuple[str, float | None, float], ...]:
-    """Normalise rs_divergence into ((option, lower or None, upper), ...) in DIVERGENCE_OPTIONS order."""
-    if value is None:
-        return ()
-    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 3 for v in value):
-        value = {option: (upper if lower is None else [lower, upper]) for option, lower, upper in value}
-
-    def check(option: str, threshold: Any) -> tuple[str, float | None, float]:
-        key = f"rs_divergence.{option}"
-        if option.endswith("_k1"):
-            return (option, *_as_range(key, threshold))
-        if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
-            raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
-                             "statistic (a positive number), k1 options take a ratio range")
-        return option, None, _as_positive(key, threshold, required=True)
-
-    return _named_mapping("rs_divergence", value, DIVERGENCE_OPTIONS, "option", check,
-                          "a mapping from option to threshold, e.g. {seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}")
-
-
-def _as_gate(value: Any) -> tuple[tuple[str, float], ...]:
-    """Normalise rs_batch_gate into ((statistic, threshold), ...) in gate.STATISTICS order."""
-    from .gate import STATISTICS
-
-    if value is None or value == () or value == {}:  # off ({} as YAML writes an empty mapping)
-        return ()
-    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
-        value = dict(value)
-
-    def check(name: str, threshold: Any) -> tuple[str, float]:
-        return name, _as_positive(f"rs_batch_gate.{name}", threshold, required=True)
-
-    return _named_mapping("rs_batch_gate", value, STATISTICS, "statistic", check,
-                          f"a mapping from statistic ({', '.join(STATISTICS)}) to a threshold, e.g. {{k3: 0.05}}")
-
-
-def _named_mapping(key: str, value: Any, names: tuple[str, ...], what: str, check, shape: str) -> tuple:
-    """A mapping name -> setting, validated: every name one of ``names`` (did-you-mean otherwise), each entry
-    ``check(name, setting)``; returned as a tuple of the checked entries in ``names`` order."""
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{key}={value!r} is invalid: allowed values are null or {shape}")
-    out = {}
-    for name, setting in value.items():
-        if name not in names:
-            raise ValueError(f"{key}: unknown {what} {name!r}{_did_you_mean(str(name), names)}; allowed {what}s: "
-                             f"{', '.join(names)}")
-        out[name] = check(name, setting)
-    return tuple(out[name] for name in names if name in out)
-
-
-# Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
-RATIO_MIN, RATIO_MAX = math.exp(-20.0), math.exp(20.0)
-
-
-def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, note: str = "") -> None:
-    for key, value in ((lower_key, lower), (upper_key, upper)):
-        if not RATIO_MIN <= value <= RATIO_MAX:
-            raise ValueError(f"{key}={value!r} is invalid: ratios are clamped to [e^-20, e^20], so allowed values "
-                             f"are in [{RATIO_MIN:.3g}, {RATIO_MAX:.3g}] (a bound outside could never act)")
-    if not lower < upper:
-        raise ValueError(f"{lower_key}={lower!r} must be smaller than {upper_key}={upper!r}{note}: "
-                         "allowed values are 0 < lower < upper")

@@ -311,6 +311,55 @@ def bound_token_terms(terms: TokenTerms, batch_values: Tensor, config: MisConfig
     return terms.bounded(choice.upper.to(terms.token_ratio.device)), choice
 
 
+@dataclass(frozen=True)
+class KeptWeights:
+    """Batch statistics of the kept weights before normalisation (0-d tensors)."""
+
+    sum: Tensor  # Σ w over the kept tokens
+    sum_sq: Tensor  # Σ w² over the kept tokens
+    mean_parts: Tensor  # [numerator, denominator] of the normalisation mean μ
+    max: Tensor  # largest kept weight, −1 when nothing is kept
+    min: Tensor  # smallest kept weight, _NO_TOKEN when nothing is kept
+
+
+@dataclass
+class FinalizeState:
+    """What the stages of one ``finalize`` call read and fill in. [B] tensors are per sequence, [N] per local
+    token; the per-sequence values are broadcast to the tokens once, by the last stage."""
+
+    batch: PackedBatch
+    terms: TokenTerms
+    stats: Tensor  # [B, K] per-sequence table combined over the CP group
+    config: MisConfig
+    col: dict[str, Tensor]  # the table's base columns by name (table_columns)
+    seq_values: dict[str, Tensor]  # [B] per-sequence metrics (and the internal _KEEP/_WEIGHT columns)
+    token_metrics: dict[str, Tensor]  # [N] per-token metrics
+    bound: adaptive.Choice | None  # the adaptive bound: given at token level, chosen at sequence level
+    reduce_normalizer: Callable[[Tensor], Tensor] | None  # over the DP group: the normalisation mean's parts
+    reduce_gate: Callable[[Tensor], Tensor] | None  # over the DP group: the batch gate's parts
+    reduce_histogram: Callable[[Tensor], Tensor] | None  # over the DP group: the sequence-level bound's histogram
+    batch_metrics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # 0-d batch-level metrics
+    gate_statistics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # gate.STATISTICS -> 0-d
+    message: str | None = None  # the batch gate's warning
+    seq_reject: Tensor | None = None  # [B] bool: rejected by a sequence-level stage so far
+    seq_ratio: Tensor | None = None  # [B] r_i at a sequence/geometric tis_level (None at token level)
+    seq_weight: Tensor | None = None  # [B] bounded w_i at a sequence/geometric tis_level (None at token level)
+    seq_keep: Tensor | None = None  # [B] bool: no sequence-level stage rejected it, every valid token usable
+    n_pass: Tensor | None = None  # [B] kept tokens per sequence (0 for a rejected sequence)
+    kept: KeptWeights | None = None
+    factor: Tensor | None = None  # the batch normalisation's divisor
+    weight_statistics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # 0-d, of the final weights
+
+    @classmethod
+    def start(cls, batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
+              bound: adaptive.Choice | None, reduce_normalizer, reduce_gate, reduce_histogram) -> "FinalizeState":
+        """The state before any stage: the mismatch metrics of every sequence and the non-finite tokens."""
+        col = table_columns(stats)
+        return cls(batch, terms, stats, config, col, mismatch_seq_metrics(col),
+                   {"nonfinite_token_fraction": terms.nonfinite}, bound, reduce_normalizer, reduce_gate,
+                   reduce_histogram)
+
+
 def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
              reduce_normalizer: Callable[[Tensor], Tensor] | None = None, batch_values: Tensor | None = None,
              reduce_gate: Callable[[Tensor], Tensor] | None = None, bound: adaptive.Choice | None = None,
@@ -327,92 +376,193 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     ``bound``: the adaptive token-level bound ``bound_token_terms`` picked (``terms`` are bounded at it);
     ``reduce_histogram`` sums the adaptive sequence-level bound's histogram over the DP group
     (``tis_auto_scope: dp``).
+
+    The stages run in the order of docs/math.md, each reading and filling in one ``FinalizeState``.
     """
-    col = table_columns(stats)
-    seq_values = mismatch_seq_metrics(col)
-    token_metrics: dict[str, Tensor] = {"nonfinite_token_fraction": terms.nonfinite}
-    if batch_values is None:
-        batch_values = local_batch_values(batch, terms, config)
-    # -- where the mismatch lives, and the batch gate's statistics: every call, correction or not
-    batch_metrics = location.metrics(batch_values)
+    state = FinalizeState.start(batch, terms, stats, config, bound, reduce_normalizer, reduce_gate,
+                                reduce_histogram)
+    measure_batch(state, local_batch_values(batch, terms, config) if batch_values is None else batch_values)
+    if not config.use_tis:
+        return metrics_only(state)
+    state.seq_reject = torch.zeros(batch.num_seqs, dtype=torch.bool, device=stats.device)  # none rejected yet
+    gate_batch(state)
+    bound_at_tis_level(state)
+    reject_outside_rs_bounds(state)
+    veto_catastrophic_sequences(state)
+    reject_by_divergence(state)
+    keep_sequences(state)
+    apply_adaptive_bound(state)
+    sum_kept_weights(state)
+    normalise(state)
+    final_weight_statistics(state)
+    final_sequence_extremes(state)
+    return broadcast_to_tokens(state)
+
+
+def measure_batch(state: FinalizeState, batch_values: Tensor) -> None:
+    """Where the mismatch lives (``location.metrics``) and the batch gate's statistics, every call:
+
+    k3 = Σ_t k3_t / n,   kl = Σ_t (−ℓ_t) / n,   max_abs_log_ratio = max_t |ℓ_t|
+
+    over the usable tokens of the micro-batch (n of them; with ``reduce_gate``, of the DP group too).
+    """
+    col = state.col
+    state.batch_metrics = location.metrics(batch_values)
     gate_parts = gate.parts(col["sum_k3"].sum(), col["sum_log_ratio"].sum(),
                             col["n_usable"].sum(), batch_values[location.INDEX["max_abs_log_ratio"]])
-    if reduce_gate is not None:
-        gate_parts = reduce_gate(gate_parts)
-    gate_statistics = gate.statistics(gate_parts)
-    batch_metrics.update({f"batch_{name}": value for name, value in gate_statistics.items()})
-    if not config.use_tis:
-        token_metrics.update(_expand(batch_metrics, batch.seq_index.numel()))
-        return Correction(None, terms.valid, torch.ones(batch.num_seqs, dtype=torch.bool, device=stats.device),
-                          _metrics(token_metrics, _broadcast(batch, seq_values)))
+    if state.reduce_gate is not None:
+        gate_parts = state.reduce_gate(gate_parts)
+    state.gate_statistics = gate.statistics(gate_parts)
+    state.batch_metrics.update({f"batch_{name}": value for name, value in state.gate_statistics.items()})
 
-    seq_reject = torch.zeros(batch.num_seqs, dtype=torch.bool, device=stats.device)
-    message = None
-    if config.rs_batch_gate:  # a catastrophic batch: every sequence rejected, every weight 0
-        gated, message = gate.decide(gate_statistics, config.rs_batch_gate)
-        batch_metrics["batch_gated"] = torch.tensor(float(gated), device=stats.device)
-        seq_reject = seq_reject | gated
-    # -- importance weights before/after bounding, at tis_level (an adaptive sequence-level bound waits for
-    # the sequence decisions: it is chosen over the kept sequences, and truncation rejects nothing)
-    seq_weight = seq_ratio = None
+
+def metrics_only(state: FinalizeState) -> Correction:
+    """``use_tis`` off: the mismatch metrics, no weights, the valid tokens kept and every sequence kept."""
+    batch = state.batch
+    state.token_metrics.update(_expand(state.batch_metrics, batch.seq_index.numel()))
+    return Correction(None, state.terms.valid,
+                      torch.ones(batch.num_seqs, dtype=torch.bool, device=state.stats.device),
+                      _metrics(state.token_metrics, _broadcast(batch, state.seq_values)))
+
+
+def gate_batch(state: FinalizeState) -> None:
+    """The batch gate (``rs_batch_gate``): a catastrophic micro-batch has every sequence rejected,
+
+    gated = any_s (statistic_s > threshold_s),   reject_i |= gated   for every sequence i
+
+    so every weight is 0 (and the normalisation skipped, as for an empty batch).
+    """
+    if state.config.rs_batch_gate:
+        gated, state.message = gate.decide(state.gate_statistics, state.config.rs_batch_gate)
+        state.batch_metrics["batch_gated"] = torch.tensor(float(gated), device=state.stats.device)
+        state.seq_reject = state.seq_reject | gated
+
+
+def bound_at_tis_level(state: FinalizeState) -> None:
+    """Importance weights before and after bounding at ``tis_level`` (``bound_weights``):
+
+    token:               w_t = bound(ρ_t)                       (already in ``terms.token_weight``)
+    sequence/geometric:  w_i = bound(r_i),  r_i = exp(clamp(level_log_ratio_i)),
+                         reject_i |= r_i ∉ [L, U]               (mask mode)
+
+    An adaptive sequence-level bound waits for the sequence decisions (``apply_adaptive_bound``): it is chosen
+    over the kept sequences, and truncation rejects nothing.
+    """
+    config, terms = state.config, state.terms
     if config.tis_level == "token":
-        if config.adaptive_bound and bound is None:
+        if config.adaptive_bound and state.bound is None:
             raise ValueError("tis_upper_bound: auto at token level: pass the bound bound_token_terms chose")
-        upper = bound.upper if config.adaptive_bound else config.tis_upper_bound
-        token_metrics["tis_weight_before_bound"] = terms.token_ratio
-        token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
-                                                    config.tis_lower_bound, upper))
-        token_metrics["tis_weight_after_bound"] = terms.token_weight
-    else:
-        seq_ratio = _clamped_exp(level_log_ratio(stats, config.tis_level))
-        seq_values["tis_weight_before_bound"] = seq_ratio
-        if not config.adaptive_bound:
-            seq_weight, rejected = _bound_seq_ratio(seq_values, seq_ratio, config, config.tis_upper_bound)
-            if rejected is not None:  # mask mode (the others reject nothing)
-                seq_reject = seq_reject | (rejected > 0)
+        upper = state.bound.upper if config.adaptive_bound else config.tis_upper_bound
+        state.token_metrics["tis_weight_before_bound"] = terms.token_ratio
+        state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
+                                                          config.tis_lower_bound, upper))
+        state.token_metrics["tis_weight_after_bound"] = terms.token_weight
+        return
+    state.seq_ratio = _clamped_exp(level_log_ratio(state.stats, config.tis_level))
+    state.seq_values["tis_weight_before_bound"] = state.seq_ratio
+    if not config.adaptive_bound:
+        state.seq_weight, rejected = _bound_seq_ratio(state.seq_values, state.seq_ratio, config,
+                                                      config.tis_upper_bound)
+        if rejected is not None:  # mask mode (the others reject nothing)
+            state.seq_reject = state.seq_reject | (rejected > 0)
 
-    # -- rejection sampling at rs_level (token level already folded into terms.token_pass)
-    if config.use_rs:
-        if config.rs_level == "token":
-            token_metrics.update(bound_fraction_metrics("rs_", "mask", terms.token_ratio,
-                                                        config.rs_lower_bound, config.rs_upper_bound))
-        else:
-            rs_ratio = _clamped_exp(level_log_ratio(stats, config.rs_level))
-            seq_values.update(bound_fraction_metrics("rs_", "mask", rs_ratio,
-                                                     config.rs_lower_bound, config.rs_upper_bound))
-            seq_reject = seq_reject | (rs_ratio < config.rs_lower_bound) | (rs_ratio > config.rs_upper_bound)
 
-    # -- veto (applied whenever a threshold is set) and non-finite log-probs: reject the sequence whole
-    if config.rs_veto_threshold is not None:
-        vetoed = col["n_catastrophic"] > 0
-        token_metrics["rs_catastrophic_token_fraction"] = terms.catastrophic
-        seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
-        seq_reject = seq_reject | vetoed
-    # -- divergence rejection (token options already folded into terms.token_pass)
-    if config.rs_divergence:
-        layout = divergence.Layout.of(config.rs_divergence)
-        div_reject, div_token, div_seq = divergence.evaluate(
-            layout, stats[:, NUM_COLUMNS:], col["n_usable"], terms.estimators,
-            terms.divergence_kept, terms.usable)
-        seq_reject = seq_reject | div_reject
-        token_metrics.update(div_token)
-        seq_values.update(div_seq)
-    seq_keep = ~(seq_reject | (col["n_valid"] > col["n_usable"]))
-    n_pass = col["n_token_pass"] * seq_keep
+def reject_outside_rs_bounds(state: FinalizeState) -> None:
+    """Rejection sampling (``use_rs``) at ``rs_level``, with r the level ratio:
 
-    # -- the adaptive bound: at sequence level chosen here, over the kept sequences (each counted n_pass times)
-    if config.adaptive_bound:
-        if seq_ratio is not None:
-            edges = adaptive.candidates(config.tis_auto_bounds, stats.device)
-            hist = adaptive.histogram(seq_ratio, n_pass, edges)
-            if reduce_histogram is not None:
-                hist = reduce_histogram(hist)
-            bound = adaptive.choose(hist, edges.to(hist.device), config.tis_auto_target_ess)
-            seq_weight, _ = _bound_seq_ratio(seq_values, seq_ratio, config, bound.upper.to(stats.device))
-        batch_metrics.update(tis_upper_bound_effective=bound.upper, ess_before_bound=bound.ess_before,
-                             ess_after_bound=bound.ess_after)
+    reject_i |= r_i < L_rs or r_i > U_rs      (sequence/geometric level)
 
-    # -- batch statistics of the kept weights (before normalisation), from the per-sequence table
+    At token level the rejections are already in ``terms.token_pass``; only their fractions are reported.
+    """
+    config = state.config
+    if not config.use_rs:
+        return
+    if config.rs_level == "token":
+        state.token_metrics.update(bound_fraction_metrics("rs_", "mask", state.terms.token_ratio,
+                                                          config.rs_lower_bound, config.rs_upper_bound))
+        return
+    rs_ratio = _clamped_exp(level_log_ratio(state.stats, config.rs_level))
+    state.seq_values.update(bound_fraction_metrics("rs_", "mask", rs_ratio,
+                                                   config.rs_lower_bound, config.rs_upper_bound))
+    state.seq_reject = state.seq_reject | (rs_ratio < config.rs_lower_bound) | (rs_ratio > config.rs_upper_bound)
+
+
+def veto_catastrophic_sequences(state: FinalizeState) -> None:
+    """The veto (whenever ``rs_veto_threshold`` = C is set, with or without ``use_rs``):
+
+    reject_i |= any_t (ℓ_t < log C)      over the usable tokens of sequence i (``terms.catastrophic``)
+    """
+    if state.config.rs_veto_threshold is None:
+        return
+    vetoed = state.col["n_catastrophic"] > 0
+    state.token_metrics["rs_catastrophic_token_fraction"] = state.terms.catastrophic
+    state.seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
+    state.seq_reject = state.seq_reject | vetoed
+
+
+def reject_by_divergence(state: FinalizeState) -> None:
+    """Rejection by divergence statistics (``rs_divergence``, ``divergence.evaluate``):
+
+    reject_i |= the sequence option's aggregated k_i is outside its bounds   (for every sequence option)
+
+    Token options are already in ``terms.token_pass``; their metrics are added here.
+    """
+    if not state.config.rs_divergence:
+        return
+    terms = state.terms
+    layout = divergence.Layout.of(state.config.rs_divergence)
+    div_reject, div_token, div_seq = divergence.evaluate(
+        layout, state.stats[:, NUM_COLUMNS:], state.col["n_usable"], terms.estimators,
+        terms.divergence_kept, terms.usable)
+    state.seq_reject = state.seq_reject | div_reject
+    state.token_metrics.update(div_token)
+    state.seq_values.update(div_seq)
+
+
+def keep_sequences(state: FinalizeState) -> None:
+    """The sequence decisions, with a non-finite log-prob rejecting its sequence whole:
+
+    keep_i = ¬reject_i ∧ (n_valid_i = n_usable_i),   n_pass_i = keep_i · (tokens of i passing the token stages)
+    """
+    col = state.col
+    state.seq_keep = ~(state.seq_reject | (col["n_valid"] > col["n_usable"]))
+    state.n_pass = col["n_token_pass"] * state.seq_keep
+
+
+def apply_adaptive_bound(state: FinalizeState) -> None:
+    """The adaptive bound (``tis_upper_bound: auto``, ``miles_mis.adaptive``). At sequence/geometric level it is
+    chosen here, over the kept sequences, each counted n_pass_i times:
+
+    U = max{c_j : ESS(c_j) ≥ η},   w_i = min(r_i, U)
+
+    At either level its bound and ESS before/after are reported.
+    """
+    if not state.config.adaptive_bound:
+        return
+    config, stats = state.config, state.stats
+    if state.seq_ratio is not None:
+        edges = adaptive.candidates(config.tis_auto_bounds, stats.device)
+        hist = adaptive.histogram(state.seq_ratio, state.n_pass, edges)
+        if state.reduce_histogram is not None:
+            hist = state.reduce_histogram(hist)
+        state.bound = adaptive.choose(hist, edges.to(hist.device), config.tis_auto_target_ess)
+        state.seq_weight, _ = _bound_seq_ratio(state.seq_values, state.seq_ratio, config,
+                                               state.bound.upper.to(stats.device))
+    bound = state.bound
+    state.batch_metrics.update(tis_upper_bound_effective=bound.upper, ess_before_bound=bound.ess_before,
+                               ess_after_bound=bound.ess_after)
+
+
+def sum_kept_weights(state: FinalizeState) -> None:
+    """Batch statistics of the kept weights before normalisation, from the per-sequence table:
+
+    token level:         Σw = Σ_i keep_i Σ_t w_t,   Σw² likewise,   μ parts = [Σw, Σ_i n_pass_i]
+    sequence/geometric:  Σw = Σ_i n_pass_i w_i,  Σw² = Σ_i n_pass_i w_i²,
+                         μ parts = [Σ_{i: n_pass_i > 0} w_i, #{i: n_pass_i > 0}]
+
+    and the largest/smallest kept weight (over the kept sequences' extremes).
+    """
+    col, seq_keep, n_pass, seq_weight = state.col, state.seq_keep, state.n_pass, state.seq_weight
     if seq_weight is None:
         sum_w = (col["sum_token_weight"] * seq_keep).sum()
         sum_w_sq = (col["sum_token_weight_sq"] * seq_keep).sum()
@@ -426,49 +576,79 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
         mean_parts = torch.stack([(seq_weight * trained_seq).sum(), trained_seq.sum()])  # over trained sequences
         max_w = _batch_extreme(seq_weight, trained_seq, "amax", -1.0)
         min_w = _batch_extreme(seq_weight, trained_seq, "amin", _NO_TOKEN)
-    if reduce_normalizer is not None:
-        mean_parts = reduce_normalizer(mean_parts)
+    state.kept = KeptWeights(sum_w, sum_w_sq, mean_parts, max_w, min_w)
+
+
+def normalise(state: FinalizeState) -> None:
+    """The batch normalisation's divisor (``tis_batch_normalize``; with ``reduce_normalizer``, over the DP group):
+
+    μ = mean_parts[0] / max(mean_parts[1], 1),   factor = μ if μ > NORMALIZE_MIN_MEAN else 1   (1 when off)
+    """
+    mean_parts = state.kept.mean_parts
+    if state.reduce_normalizer is not None:
+        mean_parts = state.reduce_normalizer(mean_parts)
     mean_w = mean_parts[0] / mean_parts[1].clamp(min=1)
-    if config.tis_batch_normalize:
-        factor = torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, torch.ones_like(mean_w))
+    if state.config.tis_batch_normalize:
+        state.factor = torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, torch.ones_like(mean_w))
     else:
-        factor = torch.ones_like(mean_w)
-    any_kept = max_w >= 0
-    n_valid = col["n_valid"].sum()
-    norm_values = {
+        state.factor = torch.ones_like(mean_w)
+
+
+def final_weight_statistics(state: FinalizeState) -> None:
+    """Batch statistics of the final weights w̃ = w / factor (0 on every valid token not kept), N valid tokens:
+
+    is_ratio_batch_{min,max}_final = min/max of w̃ over the kept tokens (0 when none)
+    ess = (Σ w̃)² / (N Σ w̃²) = (Σw)² / (N Σw²),  clamped at 1 (0 when Σw² = 0)
+    """
+    kept, factor = state.kept, state.factor
+    any_kept = kept.max >= 0
+    n_valid = state.col["n_valid"].sum()
+    state.weight_statistics = {
         "batch_norm_factor": factor,
-        "is_ratio_batch_min_final": torch.where(any_kept, min_w / factor, torch.zeros_like(factor)),
-        "is_ratio_batch_max_final": torch.where(any_kept, max_w / factor, torch.zeros_like(factor)),
+        "is_ratio_batch_min_final": torch.where(any_kept, kept.min / factor, torch.zeros_like(factor)),
+        "is_ratio_batch_max_final": torch.where(any_kept, kept.max / factor, torch.zeros_like(factor)),
         # ≤ 1 by Cauchy–Schwarz; the clamp only absorbs float64 rounding
-        "ess": torch.where(sum_w_sq > 0, sum_w.square() / (n_valid * sum_w_sq).clamp(min=1e-30),
-                           torch.zeros_like(sum_w)).clamp(max=1.0),
+        "ess": torch.where(kept.sum_sq > 0, kept.sum.square() / (n_valid * kept.sum_sq).clamp(min=1e-30),
+                           torch.zeros_like(kept.sum)).clamp(max=1.0),
     }
 
-    # -- miles' per-sequence extremes of the final weight over the sequence's kept tokens (0 without one)
-    if seq_weight is None:
-        has_kept = seq_keep & (col["max_token_weight"] >= 0)
+
+def final_sequence_extremes(state: FinalizeState) -> None:
+    """miles' per-sequence extremes of the final weight over the sequence's kept tokens K_i:
+
+    is_ratio_{max,min}_final_i = max/min_{t ∈ K_i} w̃_t   (0 when K_i is empty)
+    """
+    if state.seq_weight is None:
+        col = state.col
+        has_kept = state.seq_keep & (col["max_token_weight"] >= 0)
         seq_max, seq_min = col["max_token_weight"], col["min_token_weight"]
     else:
-        has_kept, seq_max, seq_min = n_pass > 0, seq_weight, seq_weight
-    seq_values["is_ratio_max_final"] = torch.where(has_kept, seq_max / factor, 0.0)
-    seq_values["is_ratio_min_final"] = torch.where(has_kept, seq_min / factor, 0.0)
+        has_kept, seq_max, seq_min = state.n_pass > 0, state.seq_weight, state.seq_weight
+    state.seq_values["is_ratio_max_final"] = torch.where(has_kept, seq_max / state.factor, 0.0)
+    state.seq_values["is_ratio_min_final"] = torch.where(has_kept, seq_min / state.factor, 0.0)
 
-    # -- one broadcast to the tokens, then the token-level weights
-    seq_values[_KEEP] = seq_keep.float()
-    if seq_weight is not None:
-        seq_values[_WEIGHT] = seq_weight
-    per_token = _broadcast(batch, seq_values)
+
+def broadcast_to_tokens(state: FinalizeState) -> Correction:
+    """One broadcast of the per-sequence values to the tokens, then the tokens' mask and final weights:
+
+    keep_t = token_pass_t · keep_{i(t)},   w̃_t = keep_t · w_t / factor   (w_t = w_{i(t)} at sequence level)
+    """
+    terms, token_metrics, seq_values = state.terms, state.token_metrics, state.seq_values
+    seq_values[_KEEP] = state.seq_keep.float()
+    if state.seq_weight is not None:
+        seq_values[_WEIGHT] = state.seq_weight
+    per_token = _broadcast(state.batch, seq_values)
     token_keep = terms.token_pass * per_token.pop(_KEEP)
-    if config.rs_divergence:  # tokens removed by any divergence option, token- or sequence-level
+    if state.config.rs_divergence:  # tokens removed by any divergence option, token- or sequence-level
         token_metrics["rs_divergence_masked_token_fraction"] = torch.maximum(
             token_metrics.pop("_divergence_token_rejected"), per_token.pop("_divergence_seq_reject"))
-    weight = (terms.token_weight if seq_weight is None else per_token.pop(_WEIGHT)) * token_keep
+    weight = (terms.token_weight if state.seq_weight is None else per_token.pop(_WEIGHT)) * token_keep
     token_metrics["is_ratio_mean_after_tis_rs"] = weight
-    weight = (weight / factor).detach()
+    weight = (weight / state.factor).detach()
     token_metrics["is_ratio_mean_final"] = weight
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
-    token_metrics.update(_expand({**norm_values, **batch_metrics}, weight.numel()))
-    return Correction(weight, token_keep, seq_keep, _metrics(token_metrics, per_token), message)
+    token_metrics.update(_expand({**state.weight_statistics, **state.batch_metrics}, weight.numel()))
+    return Correction(weight, token_keep, state.seq_keep, _metrics(token_metrics, per_token), state.message)
 
 
 def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: MisConfig,

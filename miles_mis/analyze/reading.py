@@ -29,8 +29,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ..inputs import _tensor_problem
 from ..layout import zigzag_layout
-from ..plugin import _tensor_problem
 
 _FILE_NAME = re.compile(r"rank_(\d+)_call_(\d+)\.pt")
 _LOG_PROB_FIELDS = ("old_log_probs", "rollout_log_probs")
