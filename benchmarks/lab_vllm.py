@@ -27,9 +27,10 @@ import time
 
 import torch
 
+from miles_mis.analyze.estimators import k3_terms
 from miles_mis.lab import task
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
-from miles_mis.lab.train import make_engine, parse_args, train, warm_start
+from miles_mis.lab.train import make_engine, parse_args, raw_mismatch, train, warm_start
 
 DIGITS, PROMPT_LENGTH = 6, 8
 SETTINGS = {
@@ -55,17 +56,18 @@ def batches(count: int) -> list[torch.Tensor]:
     return [task.make_prompts(16, DIGITS, generator).repeat_interleave(8, dim=0) for _ in range(count)]
 
 
-def log_ratios(model: TinyGPT, sequences: list[torch.Tensor], rollout: list[torch.Tensor]) -> torch.Tensor:
+def trainer_log_probs(model: TinyGPT, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """π_old: the trainer's fp32 recompute of every response token."""
     with torch.no_grad():
-        old = sequence_log_probs(model, sequences, [PROMPT_LENGTH] * len(sequences), 1.0)
-    return torch.cat([o.double() - r.double() for o, r in zip(old, rollout)])
+        return sequence_log_probs(model, sequences, [PROMPT_LENGTH] * len(sequences), 1.0)
 
 
-def statistics_of(ratio: torch.Tensor) -> dict[str, float]:
-    rho = ratio.clamp(-20, 20).exp()
-    return {"mean |ℓ|": float(ratio.abs().mean()), "max |ℓ|": float(ratio.abs().max()),
-            "k3": float((torch.expm1(ratio.clamp(-20, 20)) - ratio).mean()),
-            "ESS": float(rho.sum() ** 2 / (rho.numel() * rho.square().sum()))}
+def statistics_of(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
+    """mean and max |ℓ| per token, and the lab's own raw k3 and ESS (train.raw_mismatch) of π_old vs π_rollout."""
+    ratio = torch.cat([o.double() - r.double() for o, r in zip(old, rollout)])
+    raw = raw_mismatch(old, rollout)
+    return {"mean |ℓ|": float(ratio.abs().mean()), "max |ℓ|": float(ratio.abs().max()), "k3": raw["raw_k3"],
+            "ESS": raw["raw_ess"], "tokens": ratio.numel()}
 
 
 def mismatch_table(count: int) -> str:
@@ -74,13 +76,13 @@ def mismatch_table(count: int) -> str:
     for name, flags in SETTINGS.items():
         for engine_name in ("embedded", "vllm"):
             engine = make_engine(parse_args(["--engine", engine_name, "--n-heads", "2", *flags]), model)
-            ratios = []
+            old, rollout = [], []
             for batch in prompts:
-                responses, rollout = engine.generate(batch, DIGITS + 2)
-                ratios.append(log_ratios(model, [torch.cat([p, r]) for p, r in zip(batch, responses)], rollout))
-            ratio = torch.cat(ratios)
-            row = statistics_of(ratio)
-            lines.append(f"| {name} | {engine_name} | {ratio.numel()} | {row['mean |ℓ|']:.2e} | {row['max |ℓ|']:.2e} | "
+                responses, log_probs = engine.generate(batch, DIGITS + 2)
+                old += trainer_log_probs(model, [torch.cat([p, r]) for p, r in zip(batch, responses)])
+                rollout += log_probs
+            row = statistics_of(old, rollout)
+            lines.append(f"| {name} | {engine_name} | {row['tokens']} | {row['mean |ℓ|']:.2e} | {row['max |ℓ|']:.2e} | "
                          f"{row['k3']:.2e} | {row['ESS']:.5f} |")
             print(lines[-1], file=sys.stderr, flush=True)
     return "\n".join(lines)
@@ -108,10 +110,10 @@ def batch_variance_table(dtype: str) -> str:
     for name, values in scored.items():
         values = torch.cat(values).double()
         difference = reference - values
-        k3 = float((torch.expm1(difference) - difference).mean())
+        k3 = float(k3_terms(difference).mean())
         lines.append(f"| {name} | {float(difference.abs().max()):.2e} | {float(difference.abs().mean()):.2e} | "
                      f"{k3:.2e} | {float((in_batch - values).abs().max()):.2e} |")
-    trainer = statistics_of(log_ratios(model, sequences, generated))
+    trainer = statistics_of(trainer_log_probs(model, sequences), generated)
     lines.append(f"| (for scale: the trainer's fp32 recompute vs generated) | {trainer['max |ℓ|']:.2e} | "
                  f"{trainer['mean |ℓ|']:.2e} | {trainer['k3']:.2e} | |")
     return "\n".join(lines)
