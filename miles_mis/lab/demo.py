@@ -17,14 +17,13 @@ from pathlib import Path
 import yaml
 
 from .. import host
-from .train import PLUGIN, Progress, parse_args, train
+from .train import ENGINES, PLUGIN, Progress, parse_args, train
 
 # the mismatch setting of the demo (see docs/lab.md for how it was chosen and what it shows)
 # fp8 weights in a bf16 engine: the clearest effect of benchmarks/lab_sweep.py (docs/lab.md): nothing collapses,
 # but a tight geometric RS band ([0.999, 1.001]) rejects most sequences and stalls learning while token TIS
 # tracks standard PPO
 DEFAULT_SETTING = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]
-ENGINES = ("embedded", "vllm")
 DEFAULT_STEPS = 150
 
 # every algorithm the lab compares: host flags, and the miles_mis config written to the run's mis.yaml
