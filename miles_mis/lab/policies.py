@@ -1,0 +1,144 @@
+"""The lab's models, one pluggable piece each (``--model``): what ``lab/train.py`` trains, samples and rewards.
+
+A policy holds the trainer's model and everything about it that the RL loop must not know:
+
+- ``model`` and ``parameters()`` (what the optimizer updates), ``state_dict()`` / ``load_state_dict()`` (what a
+  lab checkpoint keeps of it);
+- ``sample_prompts(generator)`` -> :class:`Prompts` (token ids per sample, group members adjacent) and
+  ``rewards(prompts, responses)``; ``max_new_tokens``;
+- ``old_log_probs(sequences, prompt_lengths, routing)`` -> (π_old of every response token, features the
+  minibatch steps may reuse) and ``log_probs(...)`` (with gradients), both log softmax(logits / T);
+- ``make_engine()``: the rollout engine for ``--engine``.
+
+``tiny``: the lab's TinyGPT on the digit tasks (task.py), embedded or vLLM engine, warm-started by supervised
+steps. ``smollm2-135m``: SmolLM2-135M-Instruct (smollm_policy.py) on chat-formatted addition, vLLM engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import task, vllm_engine
+from .engine import RolloutEngine
+from .model import ModelConfig, TinyGPT, sequence_log_probs
+
+MODELS = ("tiny", "smollm2-135m")
+
+
+@dataclass
+class Prompts:
+    """One rollout batch's prompts: ``tokens`` ([N, P] or N 1-d tensors), ``problems`` (what rewards read)."""
+
+    tokens: Tensor | list[Tensor]
+    problems: list[Any]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(p.numel()) for p in self.tokens]
+
+
+def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3, kind: str = "sort") -> None:
+    """Teacher-forced cross-entropy on the task: the 'pretrained model' RL starts from."""
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        prompts = task.make_prompts(64, num_digits, generator)
+        sequences = torch.stack([torch.cat([p, task.target(p, kind)]) for p in prompts])
+        logits = model(sequences[:, :-1])
+        start = prompts.shape[1] - 1
+        loss = torch.nn.functional.cross_entropy(logits[:, start:].reshape(-1, logits.shape[-1]),
+                                                 sequences[:, start + 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def make_tiny_engine(args: argparse.Namespace, model: TinyGPT):
+    """The rollout engine for the tiny model (``--engine``), synced with ``model``."""
+    if args.engine == "vllm":
+        return vllm_engine.VllmEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
+                                      seed=args.seed + 1,
+                                      top_k=args.rollout_top_k, top_p=args.rollout_top_p,
+                                      logprob_source=args.rollout_logprob_source,
+                                      max_batch=args.prompts_per_step * args.group_size)
+    return RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
+                         args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
+                         top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
+
+
+class TinyPolicy:
+    """The lab's TinyGPT (model.py) on sort/reverse (task.py); every weight trains."""
+
+    name = "tiny"
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * args.num_digits + 4,
+                                         n_heads=args.n_heads, moe_experts=args.moe_experts,
+                                         moe_top_k=args.moe_top_k))
+        if args.sft_steps and not args.resume:
+            warm_start(self.model, args.sft_steps, args.num_digits, args.seed, kind=args.task)
+        self.max_new_tokens = args.num_digits + 2
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    def make_engine(self):
+        return make_tiny_engine(self.args, self.model)
+
+    def sample_prompts(self, generator: torch.Generator) -> Prompts:
+        prompts = task.make_prompts(self.args.prompts_per_step, self.args.num_digits, generator)
+        prompts = prompts.repeat_interleave(self.args.group_size, dim=0)
+        return Prompts(prompts, list(prompts))
+
+    def rewards(self, prompts: Prompts, responses: list[Tensor]) -> Tensor:
+        return torch.tensor([task.reward(p, r, self.args.task) for p, r in zip(prompts.problems, responses)])
+
+    def old_log_probs(self, sequences: list[Tensor], prompt_lengths: list[int],
+                      routing: list[Tensor] | None = None) -> tuple[list[Tensor], Any]:
+        with torch.no_grad():
+            return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature,
+                                      routing), None
+
+    def log_probs(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
+                  features: Any = None) -> list[Tensor]:
+        return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature, routing)
+
+    def select_features(self, features: Any, indices: list[int]) -> Any:
+        return None
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Resolve the model-dependent defaults (engine, task, digits, warm start, new tokens, trained blocks) and
+    refuse, in one line naming the flag, the model and the engine, what the chosen model cannot do."""
+    if args.model == "tiny":
+        args.engine = args.engine or "embedded"
+        args.task = args.task or "sort"
+        args.num_digits = 6 if args.num_digits is None else args.num_digits
+        args.sft_steps = 30 if args.sft_steps is None else args.sft_steps
+        args.lr = 1e-3 if args.lr is None else args.lr
+        if args.task not in task.TASKS:
+            raise ValueError(f"--task {args.task} is not available with --model tiny: allowed values are "
+                             f"{', '.join(task.TASKS)}")
+        if args.train_layers is not None:
+            raise ValueError("--train-layers is not available with --model tiny: every weight of the tiny model "
+                             "trains")
+        if args.max_new_tokens is not None:
+            raise ValueError("--max-new-tokens is not available with --model tiny: the response budget is "
+                             "--num-digits + 2")
+        return
+    from . import smollm_policy
+
+    smollm_policy.check_args(args)
