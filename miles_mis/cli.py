@@ -2,6 +2,8 @@
 
   miles-mis demo                            the mismatch lab: four algorithms, one seed, one engine setting
   miles-mis train [flags]                   one lab run (miles' host flags plus the lab's)
+  miles-mis measure [flags]                 an engine's mismatch on the lab's model (e.g. --model smollm2-135m),
+                                            where it lives and what each shipped config does, without training
   miles-mis check-config FILE [--use-tis]   print the effective config (defaults filled in) or the error
   miles-mis analyze DUMP_DIR [--out-dir D]  read miles --dump-details dumps: where the mismatch lives, which
                                             correction (--write-config F), two dumps side by side (--compare)
@@ -134,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the lab commands own their flags (miles' host flags included): hand them over untouched
-    if argv and argv[0] in ("train", "demo"):
+    if argv and argv[0] in ("train", "demo", "measure"):
         if argv[0] == "train":
             from .lab.train import main as train_main
 
             return _run_lab(train_main, argv[1:])
+        if argv[0] == "measure":
+            from .lab.measure import main as measure_main
+
+            return _run_lab(measure_main, argv[1:])
         from .lab.demo import main as demo_main
 
         return _run_lab(demo_main, argv[1:])
@@ -147,6 +153,8 @@ def _main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the mismatch lab demo (miles-mis demo --help)")
     sub.add_parser("train", help="one lab run (miles-mis train --help)")
+    sub.add_parser("measure", help="an engine's mismatch on the lab's model, without training (miles-mis measure "
+                                   "--help)")
     check = sub.add_parser("check-config", help="print the effective config of a YAML file, or its error")
     check.add_argument("file")
     check.add_argument("--use-tis", action="store_true", default=None,

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The lab's flags, validated (``parser``: build_parser() or one extending it, as ``miles-mis measure``)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
     host.validate_args(args)
