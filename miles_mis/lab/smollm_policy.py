@@ -26,7 +26,9 @@ NAME = "smollm2-135m"
 MAX_MODEL_LEN = 256  # positions the engine serves: the chat prompt (~45 tokens) plus the response
 DEFAULT_TRAIN_LAYERS = 2
 DEFAULT_MAX_NEW_TOKENS = 24
-DEFAULT_LR = 1e-5  # one Adam step at the tiny model's 1e-3 moves the pretrained blocks' log-probs by up to 7 nats
+# one Adam step at the tiny model's 1e-3 moves the pretrained blocks' log-probs by up to 7 nats; at 5e-5 a step
+# moves them ~1e-3 (ppo_kl) and the reward rises within 12 steps of 8 x 4 samples (1e-5: no visible trend)
+DEFAULT_LR = 5e-5
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--steps", type=int, default=60, help="RL steps (rollout batches), >= 0")
     lab.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     lab.add_argument("--lr", type=float, default=None,
-                     help="Adam learning rate of the RL steps (default 1e-3 for tiny, 1e-5 for smollm2-135m)")
+                     help="Adam learning rate of the RL steps (default 1e-3 for tiny, 5e-5 for smollm2-135m)")
     lab.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch")
     lab.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group), >= 2")
     lab.add_argument("--num-minibatches", type=int, default=2, help="optimizer steps per rollout batch")
