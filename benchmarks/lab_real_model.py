@@ -38,17 +38,14 @@ import time
 from pathlib import Path
 
 RESULTS = Path("benchmarks/results")
-SETTINGS = {
-    "fp32": ["--rollout-dtype", "fp32"],
-    "fp16": ["--rollout-dtype", "fp16"],
-    "bf16": ["--rollout-dtype", "bf16"],
-    "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-    "bf16, top-p 0.9, full": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9"],
-    "bf16, top-p 0.9, processed": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9",
-                                   "--rollout-logprob-source", "processed"],
-    "bf16, top-k 50, full": ["--rollout-dtype", "bf16", "--rollout-top-k", "50"],
-    "bf16, top-k 50, processed": ["--rollout-dtype", "bf16", "--rollout-top-k", "50",
-                                  "--rollout-logprob-source", "processed"],
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_vllm import SETTINGS as TINY_SETTINGS  # noqa: E402 (the settings of the tiny model's engine comparison)
+
+SETTINGS = {  # those of benchmarks/lab_vllm.py, then the ones a 49,152-token vocabulary makes interesting
+    **TINY_SETTINGS,
+    "bf16, top-k 50, full log-probs": ["--rollout-dtype", "bf16", "--rollout-top-k", "50"],
+    "bf16, top-k 50, processed log-probs": ["--rollout-dtype", "bf16", "--rollout-top-k", "50",
+                                            "--rollout-logprob-source", "processed"],
     "bf16, T 0.7": ["--rollout-dtype", "bf16", "--rollout-temperature", "0.7"],
 }
 MODELS = {"smollm2-135m": ["--model", "smollm2-135m"], "tiny": ["--model", "tiny", "--engine", "vllm"]}

@@ -162,6 +162,44 @@ def test_train_ends_with_a_line_naming_its_files(tmp_path, capsys):
     assert capsys.readouterr().err == f"wrote {out / 'metrics.jsonl'} (1 step)\n"
 
 
+def test_measure_on_the_tiny_model_equals_the_mismatch_of_its_batches(tmp_path, capsys):
+    """`miles-mis measure` with the embedded engine: its k3 is raw_mismatch's over the batches it generated (the
+    same engine, prompts and seeds, regenerated here), and its location metrics are the plugin's."""
+    from miles_mis import MisConfig, compute_mis_weights
+    from miles_mis.cli import main
+    from miles_mis.lab.train import make_policy, raw_mismatch
+
+    flags = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8", "--prompts-per-step", "4", "--sft-steps",
+             "5"]
+    assert main(["measure", *flags, "--batches", "2", "--json", str(tmp_path / "row.json")]) == 0
+    row = json.loads((tmp_path / "row.json").read_text())
+    args = parse_args(flags)
+    policy = make_policy(args)
+    engine = policy.make_engine()
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    old, rollout = [], []
+    for _ in range(2):
+        prompts = policy.sample_prompts(generator)
+        responses, log_probs = engine.generate(prompts.tokens, policy.max_new_tokens)
+        sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
+        old += policy.old_log_probs(sequences, prompts.lengths)[0]
+        rollout += log_probs
+    assert row["k3"] == pytest.approx(raw_mismatch(old, rollout)["raw_k3"], rel=1e-12) and row["k3"] > 1e-5
+    _, _, metrics = compute_mis_weights(MisConfig.preset("metrics_only"), train_log_probs=old,
+                                        rollout_log_probs=rollout, loss_masks=[torch.ones(t.numel()) for t in old])
+    assert row["mis_k3_first_token"] == pytest.approx(float(metrics["mis_k3_first_token"][0][0]))
+    assert row["sequences"] == 64 and row["setting"] == "bf16 + fp8 weights" and row["model"] == "tiny"
+    out = capsys.readouterr()
+    assert "tiny on embedded, bf16 + fp8 weights" in out.out and "measure 2/2" in out.err
+
+
+def test_measure_refuses_zero_batches():
+    from miles_mis.lab.measure import main
+
+    with pytest.raises(ValueError, match="--batches must be >= 1"):
+        main(["--batches", "0"])
+
+
 def test_figure_smoothing_and_panels():
     assert sync_period(DEFAULT_SETTING) == 1 and sync_period([]) == 1 and sync_period(["--rollout-staleness=3"]) == 3
     assert sync_period(["--rollout-dtype", "bf16", "--rollout-staleness", "4", "--lr", "3e-3"]) == 4

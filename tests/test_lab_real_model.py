@@ -233,6 +233,29 @@ def test_two_step_rl_run_writes_metrics_and_dumps_analyze_reads(tmp_path, bf16):
     assert (tmp_path / "recommended.yaml").is_file()
 
 
+def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, capsys, bf16):
+    from miles_mis.cli import main
+    from miles_mis.config import preset_files
+
+    assert main(["measure", "--model", "smollm2-135m", "--batches", "2", "--prompts-per-step", str(PROMPTS),
+                 "--group-size", str(GROUP), "--dump-details", str(tmp_path / "dumps"),
+                 "--json", str(tmp_path / "row.json")]) == 0
+    captured = capsys.readouterr()
+    assert [line.split(":")[0] for line in captured.err.splitlines()] == ["measure 1/2 bf16", "measure 2/2 bf16"]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["model"] == "smollm2-135m" and row["setting"] == "bf16" and row["sequences"] == 2 * PROMPTS * GROUP
+    assert 1e-4 < row["k3"] < 1e-1 and 0 < row["mean_abs_log_ratio"] < row["max_abs_log_ratio"]
+    assert 0.9 < row["ess"] <= 1.0 and row["mis_k3_first_token"] > 0 and row["mis_k3_position_0_1"] > 0
+    assert sum(b["tokens"] for b in row["by_rollout_prob"]) == row["tokens"]
+    assert set(row["configs"]) == set(preset_files())
+    assert row["configs"]["metrics_only"]["kept_token_fraction"] == 1.0
+    assert row["configs"]["metrics_only"]["ess"] == 1.0
+    for line in (f"k3 {row['k3']:.3e}", "config              kept tokens", "the analyzer recommends"):
+        assert line in captured.out
+    assert len(list((tmp_path / "dumps" / "policy_loss_debug").glob("rank_0_call_*.pt"))) == 2
+    assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / "analysis")]) == 0
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--engine", "embedded"], "--engine embedded"),
     (["--task", "sort"], "--task sort"),
