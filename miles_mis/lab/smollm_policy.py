@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import arithmetic, smollm, vllm_engine
 from .model import right_padded
-from .policies import Prompts
+from .policy import Prompts
 
 NAME = "smollm2-135m"
 MAX_MODEL_LEN = 256  # positions the engine serves: the chat prompt (~45 tokens) plus the response

@@ -1,6 +1,8 @@
-"""``miles-mis train``: GRPO on the sort-digits task, with a rollout engine that disagrees with the trainer.
+"""``miles-mis train``: GRPO on a verifiable task, with a rollout engine that disagrees with the trainer.
 
-One step: the engine samples ``--group-size`` responses for each of ``--prompts-per-step`` prompts and
+The model, its task and its engine are the ``--model`` policy (policy.py: the tiny GPT sorting digits, or
+SmolLM2-135M-Instruct adding numbers in a chat prompt); the loop below is the same for both. One step: the engine
+samples ``--group-size`` responses for each of ``--prompts-per-step`` prompts and
 returns their log-probs; the trainer (fp32) recomputes π_old; rewards give GRPO group advantages; then
 ``--num-minibatches`` optimizer steps run the reference host's policy loss (``miles_mis.host``) with
 the plugin loaded through ``--custom-tis-function-path`` / ``--custom-config-path`` exactly as miles
@@ -29,8 +31,10 @@ from .dump import PolicyLossDumper, policy_loss_record
 from . import vllm_engine
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .model import ModelConfig, routing_disagreement
-from .policies import MODELS, TinyPolicy, check_model_args, warm_start  # noqa: F401 (warm_start: re-exported)
-from .policies import make_tiny_engine as make_engine  # noqa: F401 (the tiny model's engine, re-exported)
+from . import smollm_policy, tiny_policy
+from .policy import MODELS
+from .tiny_policy import TinyPolicy, warm_start  # noqa: F401 (warm_start: re-exported)
+from .tiny_policy import make_tiny_engine as make_engine  # noqa: F401 (the tiny model's engine, re-exported)
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 ENGINES = ("embedded", "vllm")
@@ -113,7 +117,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     args = parser.parse_args(argv)
     host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
     host.validate_args(args)
-    check_model_args(args)
+    # the model's defaults for the flags that depend on it, and its one-line refusals
+    (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
     if args.dump_interval < 1:
@@ -138,12 +143,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 
 def make_policy(args: argparse.Namespace):
-    """The ``--model`` policy (policies.py, smollm_policy.py)."""
-    if args.model == "tiny":
-        return TinyPolicy(args)
-    from .smollm_policy import SmolLMPolicy
-
-    return SmolLMPolicy(args)
+    """The ``--model`` policy (tiny_policy.py, smollm_policy.py; the interface in policy.py)."""
+    return TinyPolicy(args) if args.model == "tiny" else smollm_policy.SmolLMPolicy(args)
 
 
 # --------------------------------------------------------------------------- pieces

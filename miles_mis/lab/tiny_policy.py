@@ -1,23 +1,11 @@
-"""The lab's models, one pluggable piece each (``--model``): what ``lab/train.py`` trains, samples and rewards.
+"""``--model tiny``: the lab's TinyGPT (model.py) on sort/reverse (task.py), the embedded or the vLLM engine.
 
-A policy holds the trainer's model and everything about it that the RL loop must not know:
-
-- ``model`` and ``parameters()`` (what the optimizer updates), ``state_dict()`` / ``load_state_dict()`` (what a
-  lab checkpoint keeps of it);
-- ``sample_prompts(generator)`` -> :class:`Prompts` (token ids per sample, group members adjacent) and
-  ``rewards(prompts, responses)``; ``max_new_tokens``;
-- ``old_log_probs(sequences, prompt_lengths, routing)`` -> (π_old of every response token, features the
-  minibatch steps may reuse) and ``log_probs(...)`` (with gradients), both log softmax(logits / T);
-- ``make_engine()``: the rollout engine for ``--engine``.
-
-``tiny``: the lab's TinyGPT on the digit tasks (task.py), embedded or vLLM engine, warm-started by supervised
-steps. ``smollm2-135m``: SmolLM2-135M-Instruct (smollm_policy.py) on chat-formatted addition, vLLM engine.
+The policy interface is in policy.py. Every weight trains; the model starts from a supervised warm start.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,20 +14,7 @@ from torch import Tensor
 from . import task, vllm_engine
 from .engine import RolloutEngine
 from .model import ModelConfig, TinyGPT, sequence_log_probs
-
-MODELS = ("tiny", "smollm2-135m")
-
-
-@dataclass
-class Prompts:
-    """One rollout batch's prompts: ``tokens`` ([N, P] or N 1-d tensors), ``problems`` (what rewards read)."""
-
-    tokens: Tensor | list[Tensor]
-    problems: list[Any]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(p.numel()) for p in self.tokens]
+from .policy import Prompts
 
 
 def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3, kind: str = "sort") -> None:
@@ -120,25 +95,19 @@ class TinyPolicy:
         return None
 
 
-def check_model_args(args: argparse.Namespace) -> None:
-    """Resolve the model-dependent defaults (engine, task, digits, warm start, new tokens, trained blocks) and
-    refuse, in one line naming the flag, the model and the engine, what the chosen model cannot do."""
-    if args.model == "tiny":
-        args.engine = args.engine or "embedded"
-        args.task = args.task or "sort"
-        args.num_digits = 6 if args.num_digits is None else args.num_digits
-        args.sft_steps = 30 if args.sft_steps is None else args.sft_steps
-        args.lr = 1e-3 if args.lr is None else args.lr
-        if args.task not in task.TASKS:
-            raise ValueError(f"--task {args.task} is not available with --model tiny: allowed values are "
-                             f"{', '.join(task.TASKS)}")
-        if args.train_layers is not None:
-            raise ValueError("--train-layers is not available with --model tiny: every weight of the tiny model "
-                             "trains")
-        if args.max_new_tokens is not None:
-            raise ValueError("--max-new-tokens is not available with --model tiny: the response budget is "
-                             "--num-digits + 2")
-        return
-    from . import smollm_policy
-
-    smollm_policy.check_args(args)
+def check_args(args: argparse.Namespace) -> None:
+    """The tiny model's defaults for the model-dependent flags, and one-line refusals of the real model's flags."""
+    args.engine = args.engine or "embedded"
+    args.task = args.task or "sort"
+    args.num_digits = 6 if args.num_digits is None else args.num_digits
+    args.sft_steps = 30 if args.sft_steps is None else args.sft_steps
+    args.lr = 1e-3 if args.lr is None else args.lr
+    if args.task not in task.TASKS:
+        raise ValueError(f"--task {args.task} is not available with --model tiny: allowed values are "
+                         f"{', '.join(task.TASKS)}")
+    if args.train_layers is not None:
+        raise ValueError("--train-layers is not available with --model tiny: every weight of the tiny model "
+                         "trains")
+    if args.max_new_tokens is not None:
+        raise ValueError("--max-new-tokens is not available with --model tiny: the response budget is "
+                         "--num-digits + 2")

@@ -1,0 +1,39 @@
+"""The lab's models, one pluggable piece each (``--model``): what ``lab/train.py`` trains, samples and rewards.
+
+A policy holds the trainer's model and everything about it that the RL loop must not know:
+
+- ``model`` and ``parameters()`` (what the optimizer updates), ``state_dict()`` / ``load_state_dict()`` (what a
+  lab checkpoint keeps of it);
+- ``sample_prompts(generator)`` -> :class:`Prompts` (token ids per sample, group members adjacent) and
+  ``rewards(prompts, responses)``; ``max_new_tokens``;
+- ``old_log_probs(sequences, prompt_lengths, routing)`` -> (π_old of every response token, features the
+  minibatch steps may reuse) and ``log_probs(sequences, prompt_lengths, routing, features)`` (with gradients),
+  both log softmax(logits / T); ``select_features(features, indices)``;
+- ``make_engine()``: the rollout engine for ``--engine``.
+
+Each model's module also has ``check_args(args)``: its defaults for the model-dependent flags and its one-line
+refusals. ``tiny`` (tiny_policy.py): the lab's TinyGPT on the digit tasks, embedded or vLLM engine, warm-started
+by supervised steps. ``smollm2-135m`` (smollm_policy.py): SmolLM2-135M-Instruct on chat-formatted addition,
+vLLM engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+MODELS = ("tiny", "smollm2-135m")
+
+
+@dataclass
+class Prompts:
+    """One rollout batch's prompts: ``tokens`` ([N, P] or N 1-d tensors), ``problems`` (what rewards read)."""
+
+    tokens: Tensor | list[Tensor]
+    problems: list[Any]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(p.numel()) for p in self.tokens]
