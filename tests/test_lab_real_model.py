@@ -233,6 +233,21 @@ def test_two_step_rl_run_writes_metrics_and_dumps_analyze_reads(tmp_path, bf16):
     assert (tmp_path / "recommended.yaml").is_file()
 
 
+def test_resume_continues_exactly(tmp_path, bf16):
+    """A run stopped after step 1 and resumed (trained weights, optimizer, engine weights and sampling seeds from the
+    checkpoint) writes the metrics of a straight 2-step run."""
+    def run(name, steps, *extra):
+        return train(parse_args(["--model", "smollm2-135m", "--steps", str(steps), "--prompts-per-step", str(PROMPTS),
+                                 "--group-size", str(GROUP), "--out-dir", str(tmp_path / name), "--quiet",
+                                 "--save-interval", "1", *extra]))
+
+    straight = run("straight", 2)
+    run("resumed", 1)
+    resumed = run("resumed", 2, "--resume")
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert drop(resumed) == drop(straight)
+
+
 def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, capsys, bf16):
     from miles_mis.cli import main
     from miles_mis.config import preset_files

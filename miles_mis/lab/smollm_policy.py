@@ -73,6 +73,7 @@ class SmolLMPolicy:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        torch.manual_seed(args.seed)  # the run's global RNG (minibatch order), as the tiny policy seeds it
         self.directory = smollm.checkpoint_dir()
         self.model = smollm.load_model(self.directory)
         self.tokenizer = smollm.load_tokenizer(str(self.directory))
