@@ -239,6 +239,18 @@ def probability_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def position_table(rows: list[dict]) -> str:
+    """The plugin's live k3 by response position (``mis_k3_position_<a>_<b>``), per setting, buckets that hold tokens."""
+    buckets = sorted({(int(k.split("_")[3]), k) for r in rows for k, v in r.items()
+                      if k.startswith("mis_k3_position_") and v})
+    lines = ["| model | setting | " + " | ".join(f"position [{k.split('_')[3]}, {k.split('_')[4]})" for _, k in buckets)
+             + " |", "|---" * (len(buckets) + 2) + "|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['name']} | " + " | ".join(f"{r[k]:.1e}" if r.get(k) else "—" for _, k in buckets)
+                     + " |")
+    return "\n".join(lines)
+
+
 def variance_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
@@ -308,6 +320,7 @@ def _pct(value: float | None) -> str:
 def tables() -> None:
     print(atlas_table(read("atlas")), end="\n\n")
     print(probability_table(read("atlas")), end="\n\n")
+    print(position_table(read("atlas")), end="\n\n")
     print(config_table(read("atlas")), end="\n\n")
     print(config_table(read("atlas"), "tiny"), end="\n\n")
     print(variance_table(read("variance")))
