@@ -103,7 +103,8 @@ def variance_row(dtype: str) -> dict:
     import torch
 
     from miles_mis.analyze.estimators import k3_terms
-    from miles_mis.lab.train import make_policy, parse_args, raw_mismatch
+    from miles_mis.lab.measure import mismatch_summary
+    from miles_mis.lab.train import make_policy, parse_args
 
     args = parse_args(["--model", "smollm2-135m", "--rollout-dtype", dtype, "--prompts-per-step", "32",
                        "--group-size", "4"])
@@ -136,11 +137,10 @@ def variance_row(dtype: str) -> dict:
         rows[name] = {"max_abs": float(difference.abs().max()), "mean_abs": float(difference.abs().mean()),
                       "k3": float(k3_terms(difference).mean()),
                       "max_abs_vs_in_batch": float((in_batch - flat).abs().max())}
-    old, _ = policy.old_log_probs(sequences, lengths)
-    trainer = raw_mismatch(old, generated)
-    diff = torch.cat([o.double() - g.double() for o, g in zip(old, generated)]).abs()
+    trainer = mismatch_summary(policy.old_log_probs(sequences, lengths)[0], generated)
     return {"dtype": dtype, "tokens": int(reference.numel()), "rows": rows,
-            "trainer": {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "k3": trainer["raw_k3"]}}
+            "trainer": {"max_abs": trainer["max_abs_log_ratio"], "mean_abs": trainer["mean_abs_log_ratio"],
+                        "k3": trainer["k3"]}}
 
 
 # --------------------------------------------------------------------------- RL

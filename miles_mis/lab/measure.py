@@ -72,11 +72,9 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     policy = policy or make_policy(args)
     engine = engine or policy.make_engine()
     generator = torch.Generator().manual_seed(args.seed + 2)
-    temporary = None
-    if args.dump_details is None:
-        temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-")
-        args.dump_details = Path(temporary.name)
-    dumper = PolicyLossDumper(args.dump_details, 0)
+    temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-") if args.dump_details is None else None
+    dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
+    dumper = PolicyLossDumper(dump_dir, 0)
     old_all, rollout_all, rewards = [], [], []
     for batch_index in range(args.batches):
         prompts = policy.sample_prompts(generator)
@@ -99,9 +97,9 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
                   f"{float(batch_rewards.mean()):.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr,
                   flush=True)
     row = {"model": args.model, "engine": args.engine, "setting": setting_name(args),
-           **_mismatch(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
+           **mismatch_summary(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
            **_live_location(old_all, rollout_all)}
-    analysis = analyze(args.dump_details)
+    analysis = analyze(dump_dir)
     row["by_rollout_prob"] = [{"bucket": r["bucket"], "tokens": r["tokens"], "k3": r["k3"]}
                               for r in analysis.statistics["by_rollout_prob"] if r["tokens"]]
     row["configs"] = {name: {key: analysis.results[f"preset:{name}"][key] for key in
@@ -111,11 +109,11 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     row["seconds"] = time.perf_counter() - started
     if temporary is not None:
         temporary.cleanup()
-        args.dump_details = None
     return row
 
 
-def _mismatch(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
+def mismatch_summary(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
+    """k3, KL, ESS (raw_mismatch), mean and max |ℓ|, and the token and sequence counts of ℓ = old − rollout."""
     raw = raw_mismatch(old, rollout)
     diff = torch.cat([o.double() - r.double() for o, r in zip(old, rollout)]).abs()
     return {"k3": raw["raw_k3"], "kl": raw["raw_kl"], "ess": raw["raw_ess"], "mean_abs_log_ratio": float(diff.mean()),

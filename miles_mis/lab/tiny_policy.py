@@ -96,7 +96,8 @@ class TinyPolicy:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The tiny model's defaults for the model-dependent flags, and one-line refusals of the real model's flags."""
+    """The tiny model's defaults for the model-dependent flags (heads: 4, or 2 for vLLM's CPU attention), and
+    one-line refusals of the real model's flags and of what vLLM cannot serve."""
     args.engine = args.engine or "embedded"
     args.task = args.task or "sort"
     args.num_digits = 6 if args.num_digits is None else args.num_digits
@@ -111,3 +112,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens is not None:
         raise ValueError("--max-new-tokens is not available with --model tiny: the response budget is "
                          "--num-digits + 2")
+    if args.n_heads is None:
+        args.n_heads = 2 if args.engine == "vllm" else 4
+    if args.n_heads < 1 or ModelConfig.d_model % args.n_heads:
+        raise ValueError(f"--n-heads {args.n_heads} is invalid: allowed values divide d_model "
+                         f"{ModelConfig.d_model} (1, 2, 4, 8, 16, 32, 64)")
+    if args.engine == "vllm":
+        vllm_engine.check_args(args, embedded_engine=True)
+        head_size = ModelConfig.d_model // args.n_heads
+        if head_size not in vllm_engine.HEAD_SIZES:
+            raise ValueError(f"--n-heads {args.n_heads} is not available with --model tiny --engine vllm: head size "
+                             f"{head_size} is not one vLLM's CPU attention takes "
+                             f"({', '.join(map(str, vllm_engine.HEAD_SIZES[:4]))}, ...); use --n-heads 1 or 2")

