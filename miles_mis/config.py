@@ -25,6 +25,7 @@ from .gate import STATISTICS as GATE_STATISTICS
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
+TIS_POLICIES = ("old", "current")  # the policy the weights compare with π_rollout: π_old or π_θ
 AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
@@ -261,6 +262,44 @@ def _check_order(lower_key: str, lower: float, upper_key: str, upper: float, not
                          "allowed values are 0 < lower < upper")
 
 
+def _as_lag_bounds(spec: KeySpec, value: Any) -> tuple[float, ...] | None:
+    """tis_upper_bound_by_lag: [U_0, U_1, ...], each a ratio bound > 0 within [e^-20, e^20], non-increasing (a
+    bound that tightens as the sample gets staler)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{spec.name}={_shown(value)} is invalid: allowed values are null or a non-empty list of "
+                         "upper bounds [U_0, U_1, ...], one per lag (the last for every larger lag), non-increasing")
+    bounds = tuple(_as_positive(f"{spec.name}[{lag}]", bound, required=True) for lag, bound in enumerate(value))
+    for lag, bound in enumerate(bounds):
+        if not RATIO_MIN <= bound <= RATIO_MAX:
+            raise ValueError(f"{spec.name}[{lag}]={bound!r} is invalid: ratios are clamped to [e^-20, e^20], so "
+                             f"allowed values are in [{RATIO_MIN:.3g}, {RATIO_MAX:.3g}]")
+    rising = next((lag for lag in range(1, len(bounds)) if bounds[lag] > bounds[lag - 1]), None)
+    if rising is not None:
+        raise ValueError(f"{spec.name}: [{rising}]={bounds[rising]!r} is larger than [{rising - 1}]="
+                         f"{bounds[rising - 1]!r}: the bound must not loosen as a sample gets staler (allowed: a "
+                         "non-increasing list)")
+    return bounds
+
+
+def _as_max_lag(spec: KeySpec, value: Any) -> int | None:
+    """rs_max_lag: null or an integer >= 0 (a YAML int, or a numeric string as YAML 1.1 may leave it)."""
+    if value is None:
+        return None
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise ValueError(f"{spec.name}={_shown(value)} is invalid: allowed values are null (off) or an integer >= 0, "
+                         "the largest lag (weight versions behind the trainer) a sequence may have")
+    return int(number)
+
+
+def _as_optional_positive(spec: KeySpec, value: Any) -> float | None:
+    return _as_positive(spec.name, value, default=None)
+
+
 _KIND_PARSERS = {"bool": _as_bool, "choice": _as_choice, "fraction": _as_fraction, "range": _as_optional_range}
 
 # ---------------------------------------------------------------------- the key table
@@ -314,6 +353,23 @@ KEY_SPECS = (
     KeySpec("tis_auto_scope", "choice", "micro_batch", "the adaptive bound over this micro-batch (every CP rank's "
             "tokens) or over the current micro-batch of every data-parallel rank (one more fixed-size DP exchange "
             "per call; only with `tis_upper_bound: auto`)", choices=NORMALIZE_SCOPES),
+    KeySpec("tis_policy", "choice", "old", "the policy the weights compare with π_rollout: `old` = the host's "
+            "`train_log_probs` (π_old), `current` = the current policy π_θ the host passes as `cur_log_probs` or "
+            "`current_log_probs` (detached); every stage and metric then reads π_θ/π_rollout "
+            "([algorithms](algorithms.md#the-current-policy-in-the-weights-tis_policy-current))",
+            choices=TIS_POLICIES),
+    KeySpec("tis_upper_bound_by_lag", "list", None, "per-lag upper bounds [U_0, U_1, …]: a sequence `lag` weight "
+            "versions behind is bounded at U_min(lag, last) instead of `tis_upper_bound` (its lower bound, where the "
+            "mode has one: `tis_lower_bound`, else 1/U); needs the host's lags "
+            "([staleness](staleness.md#lag-aware-bounds-and-the-staleness-gate)); not with `tis_upper_bound`",
+            parser=_as_lag_bounds, allowed="null or a non-increasing list of numbers > 0"),
+    KeySpec("rs_max_lag", "count", None, "reject the sequences more than this many weight versions behind the "
+            "trainer (a fixed drop, as miles' `--max-weight-staleness`); with `rs_max_lag_k3`, only the lags whose "
+            "measured mismatch is high; needs the host's lags; null = off", parser=_as_max_lag,
+            allowed="null or an integer ≥ 0"),
+    KeySpec("rs_max_lag_k3", "fraction", None, "the staleness gate: with `rs_max_lag`, the sequences of a lag "
+            "beyond it are rejected only when that lag's k3 over the micro-batch exceeds this; null = always "
+            "(the fixed drop)", maximum=math.inf, parser=_as_optional_positive, allowed="null or a number > 0"),
 )
 KEY_NAMES = tuple(spec.name for spec in KEY_SPECS)
 KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
@@ -322,7 +378,7 @@ KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
 PARSE_ORDER = ("use_tis", "use_rs", "tis_batch_normalize", "tis_level", "rs_level", "tis_mode",
                "tis_batch_normalize_scope", "tis_bounds", "rs_divergence", "rs_batch_gate", "rs_batch_gate_scope",
                "metrics_low_prob_threshold", "rs_veto_threshold", "tis_auto_target_ess", "tis_auto_bounds",
-               "tis_auto_scope")
+               "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3")
 # The bounds tis_bounds sets: giving one of them with tis_bounds is an error, even at its default's value.
 ALIASED_BOUNDS = ("tis_lower_bound", "tis_upper_bound")
 ADAPTIVE_KEYS = tuple(name for name in KEY_NAMES if name.startswith("tis_auto_"))
@@ -384,6 +440,7 @@ class MisConfig:
             _resolve_adaptive_bounds(values)
         else:
             _resolve_fixed_bounds(values)
+        _check_lag_keys(values)
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen
 
@@ -478,6 +535,7 @@ class MisConfig:
                                 for option, lower, upper in self.rs_divergence} or None
         out["rs_batch_gate"] = dict(self.rs_batch_gate) or None
         out["tis_auto_bounds"] = list(self.tis_auto_bounds)
+        out["tis_upper_bound_by_lag"] = None if self.tis_upper_bound_by_lag is None else list(self.tis_upper_bound_by_lag)
         return out
 
 
@@ -542,6 +600,30 @@ def _resolve_fixed_bounds(values: dict[str, Any]) -> None:
                      note="" if both_given else " (an unset rs bound takes the tis bound, and tis_lower_bound "
                                                 "defaults to 1/tis_upper_bound)")
     values.update(tis_upper_bound=upper, tis_lower_bound=lower, rs_upper_bound=rs_upper, rs_lower_bound=rs_lower)
+
+
+def _check_lag_keys(values: dict[str, Any]) -> None:
+    """The staleness keys against the bounds: per-lag bounds tighten a numeric ``tis_upper_bound`` (none above it,
+    and above ``tis_lower_bound`` where the mode has a lower bound); ``rs_max_lag_k3`` qualifies ``rs_max_lag``."""
+    by_lag = values["tis_upper_bound_by_lag"]
+    if by_lag is not None:
+        upper = values["tis_upper_bound"]
+        if upper == AUTO:
+            raise ValueError("tis_upper_bound_by_lag needs a numeric tis_upper_bound (it is auto): the per-lag bounds "
+                             "are fixed, the adaptive bound is chosen per call; use one of them")
+        above = next((lag for lag, bound in enumerate(by_lag) if bound > upper), None)
+        if above is not None:
+            raise ValueError(f"tis_upper_bound_by_lag[{above}]={by_lag[above]!r} is larger than tis_upper_bound="
+                             f"{upper!r}: the per-lag bounds tighten tis_upper_bound; raise tis_upper_bound or lower "
+                             "the per-lag bound")
+        lower = values["tis_lower_bound"]
+        if values["tis_mode"] != "truncate" and not by_lag[-1] > lower:
+            raise ValueError(f"tis_upper_bound_by_lag[{len(by_lag) - 1}]={by_lag[-1]!r} must be larger than "
+                             f"tis_lower_bound={lower!r} (tis_mode {values['tis_mode']} bounds below too): allowed "
+                             "values are 0 < lower < upper")
+    if values["rs_max_lag_k3"] is not None and values["rs_max_lag"] is None:
+        raise ValueError(f"rs_max_lag_k3={values['rs_max_lag_k3']!r} is set without rs_max_lag: the gate rejects the "
+                         "lags beyond rs_max_lag whose k3 exceeds it; set rs_max_lag (e.g. 1)")
 
 
 def preset_files() -> dict[str, Path]:

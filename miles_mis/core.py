@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import adaptive, divergence, gate, location
+from . import adaptive, divergence, gate, location, staleness
 from .config import MisConfig
 from . import ops
 from .ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP, indicator
@@ -87,11 +87,12 @@ class TokenTerms:
     token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
     estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
     divergence_kept: dict  # token option -> 0/1 kept by that option
+    upper: float | Tensor  # the token weights' upper bound: a number, [N] per-lag bounds, or the adaptive 0-d one
 
     def bounded(self, upper: Tensor) -> "TokenTerms":
         """These terms with the token weights truncated at ``upper`` (the adaptive bound, known only once the
         histogram of every rank's ratios has been combined)."""
-        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper))
+        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper), upper=upper)
 
     @property
     def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf or a fill value (|log p| ≥ LOG_PROB_BOUND)
@@ -122,9 +123,9 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
 
     token_pass = usable
     token_weight = token_ratio
+    upper = token_upper_bound(batch, config)
     if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
-        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound,
-                                               config.tis_upper_bound)
+        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound, upper)
         if rejected is not None:  # mask mode (the others reject nothing)
             token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":
@@ -137,7 +138,18 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
         for keep in kept.values():
             token_pass = token_pass * keep
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
-                      token_weight, estimators, kept)
+                      token_weight, estimators, kept, upper)
+
+
+def token_upper_bound(batch: PackedBatch, config: MisConfig) -> float | Tensor:
+    """The token weights' fixed upper bound: ``tis_upper_bound``, or with ``tis_upper_bound_by_lag`` each token's
+    sequence's per-lag bound ([N], ``staleness.seq_upper_bounds``)."""
+    if config.tis_upper_bound_by_lag is None or config.tis_level != "token":
+        return config.tis_upper_bound
+    if batch.lags is None:
+        raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none (version_lags, "
+                         "or weight_versions with current_weight_version; docs/staleness.md)")
+    return staleness.seq_upper_bounds(config, batch.lags, batch.seq_index.device).index_select(0, batch.seq_index)
 
 
 def rejects_tokens(config: MisConfig) -> bool:
@@ -164,9 +176,24 @@ NUM_SUM_COLUMNS = len(SUM_COLUMNS)
 NUM_COLUMNS = len(COL)
 
 
-def num_columns(config: MisConfig) -> int:
-    """Width of the per-sequence table: the base columns plus what the divergence options need."""
-    return NUM_COLUMNS + divergence.Layout.of(config.rs_divergence).width
+def num_columns(config: MisConfig, has_lags: bool = False) -> int:
+    """Width of the per-sequence table: the base columns, what the divergence options need, and with lags at token
+    level the count of tokens whose ratio left the bound (``n_bounded``, summed over CP ranks)."""
+    return NUM_COLUMNS + divergence.Layout.of(config.rs_divergence).width + int(_counts_bounded(config, has_lags))
+
+
+def _counts_bounded(config: MisConfig, has_lags: bool) -> bool:
+    """The table carries n_bounded: the lag metrics need it per sequence, and only token-level bounds act on single
+    tokens (a sequence-level bound's decision is per sequence, in finalize)."""
+    return has_lags and config.use_tis and config.tis_level == "token"
+
+
+def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
+    """[N] float 0/1: usable tokens whose ratio is outside the token bound (ρ > U for truncate; ρ ∉ [L, U] else)."""
+    outside = indicator(torch.gt, terms.token_ratio, terms.upper)
+    if config.tis_mode != "truncate":
+        outside.add_(indicator(torch.lt, terms.token_ratio, config.tis_lower_bound))
+    return outside.mul_(terms.usable)
 
 
 def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | None = None) -> Tensor:
@@ -199,6 +226,8 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
                                          batch.per_seq_sum,
                                          lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE).double())
         table = torch.cat([table, extra], dim=1)
+    if config is not None and _counts_bounded(config, batch.lags is not None):
+        table = torch.cat([table, batch.per_seq_sum(bounded_tokens(terms, config))[:, None]], dim=1)
     return table
 
 
@@ -208,10 +237,14 @@ def combine_seq_stats(per_rank: Tensor, config: MisConfig | None = None) -> Tens
     maxima = per_rank[..., NUM_SUM_COLUMNS:NUM_SUM_COLUMNS + len(MAX_COLUMNS)].amax(0)
     minima = per_rank[..., NUM_SUM_COLUMNS + len(MAX_COLUMNS):NUM_COLUMNS].amin(0)
     parts = [sums, maxima, minima]
+    end = NUM_COLUMNS
     if config is not None and config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
-        extra = per_rank[..., NUM_COLUMNS:]
-        parts += [extra[..., :len(layout.sum_names)].sum(0), extra[..., len(layout.sum_names):].amax(0)]
+        middle = end + len(layout.sum_names)
+        end += layout.width
+        parts += [per_rank[..., NUM_COLUMNS:middle].sum(0), per_rank[..., middle:end].amax(0)]
+    if per_rank.shape[-1] > end:  # n_bounded (lags at token level): a sum
+        parts.append(per_rank[..., end:].sum(0))
     return torch.cat(parts, dim=1)
 
 
@@ -344,6 +377,7 @@ class FinalizeState:
     seq_reject: Tensor | None = None  # [B] bool: rejected by a sequence-level stage so far
     seq_ratio: Tensor | None = None  # [B] r_i at a sequence/geometric tis_level (None at token level)
     seq_weight: Tensor | None = None  # [B] bounded w_i at a sequence/geometric tis_level (None at token level)
+    seq_upper: float | Tensor | None = None  # the fixed sequence-level upper bound (a number, or [B] per lag)
     seq_keep: Tensor | None = None  # [B] bool: no sequence-level stage rejected it, every valid token usable
     n_pass: Tensor | None = None  # [B] kept tokens per sequence (0 for a rejected sequence)
     kept: KeptWeights | None = None
@@ -389,6 +423,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     bound_at_tis_level(state)
     reject_outside_rs_bounds(state)
     veto_catastrophic_sequences(state)
+    reject_stale_sequences(state)
     reject_by_divergence(state)
     keep_sequences(state)
     apply_adaptive_bound(state)
@@ -396,6 +431,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     normalise(state)
     final_weight_statistics(state)
     final_sequence_extremes(state)
+    measure_by_lag(state)
     return broadcast_to_tokens(state)
 
 
@@ -419,6 +455,7 @@ def measure_batch(state: FinalizeState, batch_values: Tensor) -> None:
 def metrics_only(state: FinalizeState) -> Correction:
     """``use_tis`` off: the mismatch metrics, no weights, the valid tokens kept and every sequence kept."""
     batch = state.batch
+    measure_by_lag(state)
     state.token_metrics.update(_expand(state.batch_metrics, batch.seq_index.numel()))
     return Correction(None, state.terms.valid,
                       torch.ones(batch.num_seqs, dtype=torch.bool, device=state.stats.device),
@@ -452,7 +489,7 @@ def bound_at_tis_level(state: FinalizeState) -> None:
     if config.tis_level == "token":
         if config.adaptive_bound and state.bound is None:
             raise ValueError("tis_upper_bound: auto at token level: pass the bound bound_token_terms chose")
-        upper = state.bound.upper if config.adaptive_bound else config.tis_upper_bound
+        upper = state.bound.upper if config.adaptive_bound else terms.upper
         state.token_metrics["tis_weight_before_bound"] = terms.token_ratio
         state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
                                                           config.tis_lower_bound, upper))
@@ -461,8 +498,13 @@ def bound_at_tis_level(state: FinalizeState) -> None:
     state.seq_ratio = _clamped_exp(level_log_ratio(state.stats, config.tis_level))
     state.seq_values["tis_weight_before_bound"] = state.seq_ratio
     if not config.adaptive_bound:
-        state.seq_weight, rejected = _bound_seq_ratio(state.seq_values, state.seq_ratio, config,
-                                                      config.tis_upper_bound)
+        state.seq_upper = config.tis_upper_bound
+        if config.tis_upper_bound_by_lag is not None:
+            if state.batch.lags is None:
+                raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none "
+                                 "(version_lags, or weight_versions with current_weight_version; docs/staleness.md)")
+            state.seq_upper = staleness.seq_upper_bounds(config, state.batch.lags, state.stats.device)
+        state.seq_weight, rejected = _bound_seq_ratio(state.seq_values, state.seq_ratio, config, state.seq_upper)
         if rejected is not None:  # mask mode (the others reject nothing)
             state.seq_reject = state.seq_reject | (rejected > 0)
 
@@ -498,6 +540,51 @@ def veto_catastrophic_sequences(state: FinalizeState) -> None:
     state.token_metrics["rs_catastrophic_token_fraction"] = state.terms.catastrophic
     state.seq_values["rs_catastrophic_seq_fraction"] = vetoed.float()
     state.seq_reject = state.seq_reject | vetoed
+
+
+def reject_stale_sequences(state: FinalizeState) -> None:
+    """The staleness gate (``rs_max_lag`` = L, ``rs_max_lag_k3`` = κ; ``staleness.stale_rejections``):
+
+    reject_i |= λ_i > L ∧ (κ unset ∨ k3(λ_i) > κ)     k3(λ): pooled over the micro-batch's sequences of lag λ
+    """
+    if state.config.rs_max_lag is None:
+        return
+    if state.batch.lags is None:
+        raise ValueError("rs_max_lag needs each sequence's lag: the host passes none (version_lags, or "
+                         "weight_versions with current_weight_version; docs/staleness.md)")
+    stale = staleness.stale_rejections(state.config, state.batch.lags, state.col["sum_k3"], state.col["n_usable"])
+    state.seq_values["rs_stale_seq_fraction"] = stale.float()
+    state.seq_reject = state.seq_reject | stale
+
+
+def measure_by_lag(state: FinalizeState) -> None:
+    """With lags: the metrics by lag bucket (``staleness.bucket_metrics``) and each sequence's lag
+    (``mis_version_lag``); the weight ones from the kept weights before normalisation (the ESS is scale-free):
+
+    token level:         Σw_i = keep_i Σ_t w_t,  n_bounded_i from the table
+    sequence/geometric:  Σw_i = n_pass_i w_i,    n_bounded_i = n_valid_i · 1[r_i outside the bound]
+    """
+    lags = state.batch.lags
+    if lags is None:
+        return
+    col = state.col
+    state.seq_values["version_lag"] = lags.to(state.stats.device).double()
+    if state.n_pass is None:  # metrics-only
+        state.batch_metrics.update(staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"]))
+        return
+    if state.seq_weight is None:
+        keep = state.seq_keep.double()
+        sum_w, sum_w_sq = col["sum_token_weight"] * keep, col["sum_token_weight_sq"] * keep
+        n_bounded = state.stats[:, -1]  # the table's last column (num_columns)
+    else:
+        sum_w, sum_w_sq = state.n_pass * state.seq_weight, state.n_pass * state.seq_weight.square()
+        upper = state.bound.upper if state.seq_upper is None else state.seq_upper
+        outside = state.seq_ratio > upper
+        if state.config.tis_mode != "truncate":
+            outside = outside | (state.seq_ratio < state.config.tis_lower_bound)
+        n_bounded = col["n_valid"] * outside
+    state.batch_metrics.update(staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"],
+                                                        n_bounded, state.n_pass, sum_w, sum_w_sq))
 
 
 def reject_by_divergence(state: FinalizeState) -> None:

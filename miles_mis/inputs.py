@@ -63,17 +63,18 @@ def qkv_format_of(args: Any) -> str:
 # --------------------------------------------------------------------------- per-sequence lists
 def pack_sequences(train_log_probs, rollout_log_probs, loss_masks, *, total_lengths=None, response_lengths=None,
                    max_seq_lens=None, cp: distributed.Group = distributed.SINGLE,
-                   qkv_format: str = "thd") -> PackedInputs:
+                   qkv_format: str = "thd", train_name: str = "train_log_probs") -> PackedInputs:
     """Validate the host's per-sequence lists and concatenate this rank's tokens.
 
     At CP size 1 the log-probs are whole responses; at CP size C > 1 they are this rank's zigzag
-    shards, whose lengths must match the layout computed from total/response lengths.
+    shards, whose lengths must match the layout computed from total/response lengths. ``train_name``: what
+    messages call the first list (``cur_log_probs`` when the current policy's log-probs take its place).
     """
     _check_list_arguments(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,
-                          max_seq_lens, cp)
+                          max_seq_lens, cp, train_name)
     # Cheap whole-list checks first (numel, not .shape, which is slow on views; 1-D is checked on the
     # concatenated result); the sequences are walked only to name the first bad one.
-    lists = (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+    lists = ((train_name, train_log_probs), ("rollout_log_probs", rollout_log_probs),
              ("loss_masks", loss_masks))
     try:  # map over the unbound method: ~25% faster than a comprehension at B in the thousands
         local_lengths = list(map(Tensor.numel, train_log_probs))
@@ -107,14 +108,14 @@ def _require_log_probs(train_log_probs, rollout_log_probs) -> None:
 
 
 def _check_list_arguments(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,
-                          max_seq_lens, cp: distributed.Group) -> None:
+                          max_seq_lens, cp: distributed.Group, train_name: str = "train_log_probs") -> None:
     """The arguments of ``pack_sequences`` as a whole: lists, one entry per sequence in each, lengths under CP."""
     _require_log_probs(train_log_probs, rollout_log_probs)
-    for name, values in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+    for name, values in ((train_name, train_log_probs), ("rollout_log_probs", rollout_log_probs),
                          ("loss_masks", loss_masks)):
         if not isinstance(values, (list, tuple)):
             raise InputError(f"{name} is a {type(values).__name__}: expected a list of B 1-D tensors, one per sequence")
-    counts = {"train_log_probs": len(train_log_probs), "rollout_log_probs": len(rollout_log_probs),
+    counts = {train_name: len(train_log_probs), "rollout_log_probs": len(rollout_log_probs),
               "loss_masks": len(loss_masks)}
     for name, values in (("response_lengths", response_lengths), ("total_lengths", total_lengths),
                          ("max_seq_lens", max_seq_lens)):
@@ -388,6 +389,6 @@ def _raise_shape_error(i: int, lists) -> None:
     """Raise an InputError for sequence ``i`` whose three entries do not have the lengths they must have."""
     _raise_first_bad(lists)
     shapes = [tuple(seq[i].shape) for _, seq in lists]
-    raise InputError(f"sequence {i}: train_log_probs has shape {shapes[0]}, rollout_log_probs has shape "
+    raise InputError(f"sequence {i}: {lists[0][0]} has shape {shapes[0]}, rollout_log_probs has shape "
                      f"{shapes[1]}, loss_masks has shape {shapes[2]}; the log-probs must be 1-D of equal length, "
                      "and at context parallel size 1 as long as the mask", i)

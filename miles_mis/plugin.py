@@ -10,6 +10,7 @@ tensors and ``cu_seqlens`` without lists. The host contract is in docs/contract.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import core, distributed, gate, rejections
+from . import core, distributed, gate, rejections, staleness, versions
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -40,12 +41,16 @@ def compute_mis_weights_with_cp(
     """miles entry point: returns (pg_loss × local IS weights, full-length modified masks, ``mis_`` metrics).
 
     ``train_log_probs``/``rollout_log_probs`` are this CP rank's shards, ``loss_masks`` full length.
-    Metrics are 1-D tensors aligned with the local ``pg_loss``. Unknown kwargs are ignored. Any failure
-    on any CP rank (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
+    Metrics are 1-D tensors aligned with the local ``pg_loss``. Optional kwargs (docs/contract.md): the current
+    policy's log-probs ``cur_log_probs``/``current_log_probs`` (same layout as ``train_log_probs``; read with
+    ``tis_policy: current``) and each sequence's lag, ``version_lags`` or ``weight_versions`` with
+    ``current_weight_version`` (docs/staleness.md). Other unknown kwargs are ignored. Any failure on any CP rank
+    (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
     """
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
     return _run(args, cp, parallel_state, pg_loss,
-                (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens))
+                (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens),
+                extra=kwargs)
 
 
 def compute_mis_weights_fsdp(
@@ -57,10 +62,11 @@ def compute_mis_weights_fsdp(
     loss_masks: Sequence[Tensor],
     **kwargs: Any,
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
-    """Entry point for hosts without context parallelism (miles' FSDP backend): full sequences."""
+    """Entry point for hosts without context parallelism (miles' FSDP backend): full sequences. The optional
+    kwargs of ``compute_mis_weights_with_cp`` (current policy, lags) are read the same way."""
     return _run(args, distributed.SINGLE, kwargs.get("parallel_state"), pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
-                 kwargs.get("response_lengths"), None), qkv_format="thd")
+                 kwargs.get("response_lengths"), None), qkv_format="thd", extra=kwargs)
 
 
 def compute_mis_weights(
@@ -69,15 +75,19 @@ def compute_mis_weights(
     train_log_probs: Sequence[Tensor],
     rollout_log_probs: Sequence[Tensor] | None,
     loss_masks: Sequence[Tensor],
+    **kwargs: Any,
 ) -> tuple[list[Tensor] | None, list[Tensor], dict[str, list[Tensor]]]:
     """Per-sequence API (as miles' ``compute_mis_weights``): full sequences in, per-sequence lists out.
 
     Returns (weights per sequence, or None in metrics-only mode; modified masks; metrics as
-    name -> list of per-sequence tensors). ``args`` may be a Namespace or a ``MisConfig``.
+    name -> list of per-sequence tensors). ``args`` may be a Namespace or a ``MisConfig``. The optional kwargs of
+    ``compute_mis_weights_with_cp`` (current policy, lags) are read the same way.
     """
     config = MisConfig.from_args(args)
     _refuse_dp_scopes(config, "compute_mis_weights")
-    packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks)
+    train_log_probs = _policy_log_probs(config, train_log_probs, kwargs)
+    packed = _with_lags(pack_sequences(train_log_probs, rollout_log_probs, loss_masks,
+                                       train_name=_train_name(config)), config, kwargs)
     correction = _correct_whole_sequences(packed.batch, config)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
@@ -91,6 +101,9 @@ def compute_mis_weights_packed(
     rollout_log_probs: Tensor,
     loss_mask: Tensor,
     cu_seqlens: Tensor,
+    current_log_probs: Tensor | None = None,
+    version_lags: Any = None,
+    **kwargs: Any,
 ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
     """Packed API for hosts that already hold concatenated response tokens (Megatron THD, verl without padding).
 
@@ -100,15 +113,55 @@ def compute_mis_weights_packed(
     Returns (weights [N], or None in metrics-only mode; the mask [N]: the input values and dtype with
     rejected tokens 0; metrics: name -> [N] float32), the same values as ``compute_mis_weights`` on the
     same sequences, concatenated. ``config`` may be a Namespace or a ``MisConfig``. Invalid inputs raise
-    ``InputError`` (a ``ValueError``) naming what is wrong (docs/contract.md).
+    ``InputError`` (a ``ValueError``) naming what is wrong (docs/contract.md). ``current_log_probs`` (flat [N], also
+    accepted as ``cur_log_probs``): the current policy, read with ``tis_policy: current``; ``version_lags`` (B
+    integers, or ``weight_versions`` with ``current_weight_version``): each sequence's lag (docs/staleness.md).
     """
     config = MisConfig.from_args(config)
     _refuse_dp_scopes(config, "compute_mis_weights_packed")
+    given = dict(kwargs, current_log_probs=current_log_probs, version_lags=version_lags)
+    if config.tis_policy == "current":
+        current = versions.current_policy(given)
+        versions.require_current(current, "current_log_probs")
+        train_log_probs = current.detach() if isinstance(current, Tensor) else current
     batch = pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
+    lags = versions.lags(given, batch.num_seqs, batch.seq_index.device)
+    staleness.require_lags(config, lags is not None)
+    if lags is not None:
+        batch = dataclasses.replace(batch, lags=lags)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
     return correction.weights, _zero_rejected(batch.loss_mask, correction.token_keep), correction.metrics
+
+
+# --------------------------------------------------------------------------- the optional kwargs
+def _train_name(config: MisConfig) -> str:
+    """What the error messages call the log-probs in the ratio's numerator."""
+    return "cur_log_probs" if config.tis_policy == "current" else "train_log_probs"
+
+
+def _policy_log_probs(config: MisConfig, train_log_probs: Any, kwargs: dict) -> Any:
+    """The per-sequence log-probs the ratio compares with π_rollout: ``train_log_probs`` (π_old), or with
+    ``tis_policy: current`` the host's current-policy log-probs, detached (``miles_mis.versions``)."""
+    if config.tis_policy != "current":
+        return train_log_probs
+    current = versions.current_policy(kwargs)
+    versions.require_current(current)
+    return versions.detached_list(current, train_log_probs)
+
+
+def _with_lags(packed: PackedInputs, config: MisConfig, kwargs: dict) -> PackedInputs:
+    """``packed`` with each sequence's lag (``miles_mis.versions``) when the host passes them: in the batch, and
+    under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence)."""
+    lags = versions.lags(kwargs, packed.batch.num_seqs, packed.batch.seq_index.device)
+    staleness.require_lags(config, lags is not None)
+    if lags is None:
+        return packed
+    table = packed.length_table
+    if table is not None:
+        table = torch.cat([table, lags.to(table.device, table.dtype)[:, None]], dim=1)
+    return dataclasses.replace(packed, batch=dataclasses.replace(packed.batch, lags=lags), length_table=table)
 
 
 # --------------------------------------------------------------------------- whole sequences, one process
@@ -151,7 +204,7 @@ class _PreparedCall:
 
 
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
-         qkv_format: str | None = None):
+         qkv_format: str | None = None, extra: dict | None = None):
     """Prepare locally, agree with the CP peers, [pick the adaptive bound], exchange the per-sequence table,
     finalize.
 
@@ -161,7 +214,7 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
     local = error = None
     dp = distributed.SINGLE
     try:
-        local = _prepare(args, cp, pg_loss, inputs, qkv_format)
+        local = _prepare(args, cp, pg_loss, inputs, qkv_format, extra or {})
         dp = _dp_group(local.config, parallel_state)
     except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
         error = failure
@@ -177,17 +230,20 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
-             qkv_format: str | None) -> _PreparedCall:
+             qkv_format: str | None, extra: dict) -> _PreparedCall:
     """The config, this rank's validated tokens and their token terms: everything before the first exchange."""
     config = MisConfig.from_args(args)
     qkv_format = qkv_format or qkv_format_of(args)
     train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens = inputs
+    train_log_probs = _policy_log_probs(config, train_log_probs, extra)
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
-                            response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format)
+                            response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format,
+                            train_name=_train_name(config))
+    packed = _with_lags(packed, config, extra)
     check_pg_loss(pg_loss, packed.batch)
     terms = core.token_terms(packed.batch, config)
     rejected = core.token_rejections(terms) if cp.size > 1 and core.rejects_tokens(config) else None
-    return _PreparedCall(config, packed, terms, config_text(config, qkv_format),
+    return _PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None),
                          core.local_batch_values(packed.batch, terms, config), rejected,
                          0 if rejected is None else int(rejected.sum()))
 
@@ -204,7 +260,8 @@ def _agree_with_cp_peers(cp: distributed.Group, dp: distributed.Group, local: _P
         if cp.size > 1:
             headers = distributed.agree(cp, "cp", error=error,
                                         batch_size=-1 if local is None else local.packed.batch.num_seqs,
-                                        width=-1 if local is None else core.num_columns(local.config),
+                                        width=-1 if local is None else core.num_columns(
+                                            local.config, local.packed.batch.lags is not None),
                                         tokens=-1 if local is None else local.packed.batch.seq_index.numel(),
                                         rejected=0 if local is None else local.num_rejected,
                                         config_text=text,
@@ -309,10 +366,11 @@ def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
         return distributed.SINGLE
 
 
-def config_text(config: MisConfig, qkv_format: str) -> str:
+def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False) -> str:
     """The effective settings of a call as "key=value" lines: compared across ranks (fingerprint) and shown
-    key by key when they differ."""
-    values = dict(config.to_dict(), qkv_format=qkv_format)
+    key by key when they differ. Whether the host passed lags is one of them: it changes the table's width and
+    what the call computes, so every rank of a group must agree on it."""
+    values = dict(config.to_dict(), qkv_format=qkv_format, version_lags="given" if has_lags else "none")
     return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
 
 

@@ -44,6 +44,8 @@ class PackedBatch:
     _row_offsets: Tensor | None = field(default=None, compare=False, repr=False)  # [B+1] int64 cumsum of lengths
     _columns: Tensor | None = field(default=None, compare=False, repr=False)  # segment_matrix's column indices
     _cache: dict = field(default_factory=dict, compare=False, repr=False)  # positions, per_bucket_sum's indices
+    # [B] int64 weight versions each sequence is behind the trainer (miles_mis.staleness); None = not given
+    lags: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

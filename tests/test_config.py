@@ -250,6 +250,11 @@ VALID_SETTINGS = [
     ("tis_auto_bounds", {"tis_upper_bound": "auto", "tis_auto_bounds": "1.5_10"},
      'tis_upper_bound: auto\ntis_auto_bounds: "1.5_10"'),
     ("tis_auto_scope", {"tis_upper_bound": "auto", "tis_auto_scope": "dp"}, "tis_upper_bound: auto\ntis_auto_scope: dp"),
+    ("tis_policy", {"tis_policy": "current"}, "tis_policy: current"),
+    ("tis_upper_bound_by_lag", {"tis_upper_bound_by_lag": [2.0, 1.5, "1.2"]},
+     'tis_upper_bound_by_lag: [2.0, 1.5, "1.2"]'),
+    ("rs_max_lag", {"rs_max_lag": 2}, "rs_max_lag: 2"),
+    ("rs_max_lag_k3", {"rs_max_lag": 0, "rs_max_lag_k3": "1e-3"}, "rs_max_lag: 0\nrs_max_lag_k3: 1e-3"),
 ]
 INVALID_SETTINGS = [
     ("use_tis", {"use_tis": "yes"}, "use_tis: 'yes'"),
@@ -281,6 +286,16 @@ INVALID_SETTINGS = [
     ("tis_auto_bounds", {"tis_upper_bound": "auto", "tis_auto_bounds": [0.5, 10]},
      "tis_upper_bound: auto\ntis_auto_bounds: [0.5, 10]"),
     ("tis_auto_scope", {"tis_auto_scope": "dp"}, "tis_auto_scope: dp"),  # acts only with tis_upper_bound: auto
+    ("tis_policy", {"tis_policy": "theta"}, "tis_policy: theta"),
+    ("tis_upper_bound_by_lag", {"tis_upper_bound_by_lag": [1.5, 2.0]}, "tis_upper_bound_by_lag: [1.5, 2.0]"),
+    ("tis_upper_bound_by_lag", {"tis_upper_bound_by_lag": [3.0]}, "tis_upper_bound_by_lag: [3.0]"),  # > U = 2
+    ("tis_upper_bound_by_lag", {"tis_upper_bound_by_lag": []}, "tis_upper_bound_by_lag: []"),
+    ("tis_upper_bound_by_lag", {"tis_upper_bound": "auto", "tis_upper_bound_by_lag": [2.0]},
+     "tis_upper_bound: auto\ntis_upper_bound_by_lag: [2.0]"),
+    ("rs_max_lag", {"rs_max_lag": 1.5}, "rs_max_lag: 1.5"),
+    ("rs_max_lag", {"rs_max_lag": -1}, "rs_max_lag: -1"),
+    ("rs_max_lag_k3", {"rs_max_lag_k3": 0.01}, "rs_max_lag_k3: 0.01"),  # without rs_max_lag
+    ("rs_max_lag_k3", {"rs_max_lag": 1, "rs_max_lag_k3": 0}, "rs_max_lag: 1\nrs_max_lag_k3: 0"),
 ]
 
 
