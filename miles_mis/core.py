@@ -51,8 +51,9 @@ def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple
     """
     if mode == "truncate":
         return ratio.clamp(max=upper), None
-    if mode == "clip":
-        return ratio.clamp(lower, upper), None
+    if mode == "clip":  # (a per-lag upper bound is a tensor; clamp takes two numbers or two tensors)
+        return (ratio.clamp(lower, upper) if not isinstance(upper, Tensor)
+                else ratio.clamp(min=lower).clamp_(max=upper)), None
     outside = indicator(torch.lt, ratio, lower).add_(indicator(torch.gt, ratio, upper))  # disjoint: 0/1
     if mode == "mask":
         return ratio, outside

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-LENGTH_COLUMNS = ("response_length", "total_length", "span")  # per-sequence columns appended to the stats
+# per-sequence columns appended to the stats, compared across CP ranks (the lag only when the host passes lags)
+LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag")
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 # magic, error flag, error sequence, batch size, table width, local tokens, rejected local tokens, fingerprint
 _INTS = "<8q"
@@ -253,7 +254,8 @@ def _all_gather(output: Tensor, tensor: Tensor, group: Group, name: str) -> None
 # --------------------------------------------------------------------------- the O(B) exchange
 def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group,
                        extra: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths -> [C, B, K] float64, and
+    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths (response, total, span; [B, 4]
+    with the lags, when the host passes them) -> [C, B, K] float64, and
     with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.rejections) -> [C, E].
 
     One collective of B·(K+3)·8 + E bytes per rank. Call only after ``agree`` (same B, K and E on every rank:

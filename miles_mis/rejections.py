@@ -89,7 +89,7 @@ def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -
     if rank.numel() == 0:
         return rank
     table = length_table.long().to(rank.device)
-    responses, totals, spans = table.unbind(1)
+    responses, totals, spans = table[:, :3].unbind(1)  # (a fourth column, the lags, may follow)
     ranks = torch.arange(cp_size, device=rank.device)[:, None]
     layout = zigzag_layout(totals, responses, ranks, cp_size, "bshd", spans)  # [C, B] fields: every rank at once
     lengths = (layout.len0 + layout.len1).view(-1)  # rows (rank, sequence), rank-major: local order of each rank

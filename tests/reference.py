@@ -148,7 +148,9 @@ def batch_level_reference(cfg, sequences, put) -> bool:
     return gated
 
 
-def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
+def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
+    """``lags``: each sequence's version lag, or None (docs/staleness.md: lag-bucket metrics, per-lag bounds, the
+    staleness gate)."""
     sequences = []
     for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
         train = [float(x) for x in train_t.double()]
@@ -192,9 +194,15 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         put("nonfinite_token_fraction", i, [float(t["nonfinite"]) for t in toks])
 
     gated = batch_level_reference(cfg, sequences, put)
+    if lags is not None:
+        for i, toks in enumerate(sequences):
+            put("version_lag", i, [float(lags[i])] * len(toks))
     if not cfg.use_tis:  # the input mask values, unchanged
         masks = [[t["mask"] for t in toks] for toks in sequences]
+        if lags is not None:
+            lag_reference(sequences, lags, put)
         return None, masks, metrics
+    stale = stale_reference(cfg, sequences, lags, put)
 
     # ---- weights, rejections
     div_token_rejected, div_seq_rejected = (divergence_reference(cfg, sequences, put) if cfg.rs_divergence
@@ -210,8 +218,13 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
         return _exp(sum_ell / max(len(usable), 1))
 
     if cfg.tis_upper_bound != "auto":
+        uppers = [cfg.tis_upper_bound] * len(sequences)
+        if cfg.tis_upper_bound_by_lag is not None:
+            by_lag = cfg.tis_upper_bound_by_lag
+            uppers = [float(struct.unpack("f", struct.pack("f", by_lag[min(lag, len(by_lag) - 1)]))[0])
+                      for lag in lags]  # float32, as the fast path holds them
         return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected,
-                      cfg.tis_upper_bound)
+                      uppers, stale, lags)
     # ---- the adaptive bound: chosen over the population, then the fixed-bound computation at it
     if cfg.tis_level == "token":  # every token passing the token-level stages (sequence rejections come later)
         population = []
@@ -224,7 +237,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
                     population.append((t["rho"], 1))
     else:  # every kept sequence, counted once per kept token (truncation rejects nothing: any bound will do)
         _, first_masks, _ = _weigh(cfg, sequences, lambda *a: None, {}, level_ratio, gated, div_token_rejected,
-                                   div_seq_rejected, math.inf)
+                                   div_seq_rejected, [math.inf] * len(sequences), stale, None)
         kept_counts = [sum(m != 0.0 for m in mask) for mask in first_masks]
         population = [(level_ratio(cfg.tis_level, None, toks), kept)
                       for toks, kept in zip(sequences, kept_counts) if kept > 0]
@@ -233,7 +246,8 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks):
                         ("ess_after_bound", ess_after)):
         for i, toks in enumerate(sequences):
             put(name, i, [value] * len(toks))
-    return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected, upper)
+    return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected,
+                  [upper] * len(sequences), stale, lags)
 
 
 def _ess(population, upper) -> float:
@@ -258,11 +272,14 @@ def auto_upper_bound(population, bounds, target) -> tuple[float, float, float]:
     return chosen, _ess(population, math.inf), _ess(population, chosen)
 
 
-def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected, tis_upper):
-    """The weights, masks and metrics of a call whose TIS upper bound is ``tis_upper``."""
-    weights, keeps, seq_weights, seq_trained = [], [], [], []
+def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected, tis_uppers,
+           stale, lags):
+    """The weights, masks and metrics of a call whose TIS upper bound of sequence i is ``tis_uppers[i]``;
+    ``stale[i]``: the staleness gate rejects it; ``lags``: None, or the lags (for their metrics)."""
+    weights, keeps, seq_weights, seq_trained, bounded = [], [], [], [], []
     for i, toks in enumerate(sequences):
-        seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i] or gated
+        tis_upper = tis_uppers[i]
+        seq_rejected = any(t["nonfinite"] for t in toks) or div_seq_rejected[i] or gated or stale[i]
         if cfg.rs_veto_threshold is not None:
             vetoed = any(t["usable"] and t["ell"] < math.log(cfg.rs_veto_threshold) for t in toks)
             seq_rejected = seq_rejected or vetoed
@@ -287,6 +304,9 @@ def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected,
                 for k, v in _fractions("rs_", "mask", rs_rho, cfg.rs_lower_bound, cfg.rs_upper_bound).items():
                     fracs[k].append(v)
             keep = keep and not seq_rejected and not div_token_rejected[i][len(keep_list)]
+            outside = rho > tis_upper or (cfg.tis_mode != "truncate" and rho < cfg.tis_lower_bound)
+            # token level: usable tokens whose ratio left the bound; sequence level: every valid token
+            bounded.append(outside and (t["usable"] if cfg.tis_level == "token" else t["valid"]))
             before.append(rho)
             after.append(w)
             w_list.append(w if keep else 0.0)
@@ -332,4 +352,58 @@ def _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected,
             put(name, i, [value] * len(toks))
     # a kept token keeps its mask value (0.5 stays 0.5), every other token 0
     masks = [[t["mask"] if k else 0.0 for t, k in zip(toks, ks)] for toks, ks in zip(sequences, keeps)]
+    if lags is not None:
+        lag_reference(sequences, lags, put, weights, keeps, bounded)
     return weights, masks, metrics
+
+
+LAG_BUCKETS = ("0", "1", "2", "3plus")
+
+
+def stale_reference(cfg, sequences, lags, put) -> list[bool]:
+    """The staleness gate per sequence: lag > rs_max_lag, and (with rs_max_lag_k3) that lag's k3, pooled over the
+    usable tokens of every sequence with that lag, above the threshold."""
+    if cfg.rs_max_lag is None:
+        return [False] * len(sequences)
+    pooled = {}
+    for lag, toks in zip(lags, sequences):
+        k3s = [_k3(t["ell"], t["ell"]) for t in toks if t["usable"]]
+        total, count = pooled.get(lag, (0.0, 0))
+        pooled[lag] = (total + sum(k3s), count + len(k3s))
+    stale = []
+    for i, (lag, toks) in enumerate(zip(lags, sequences)):
+        total, count = pooled[lag]
+        rejected = lag > cfg.rs_max_lag and (cfg.rs_max_lag_k3 is None or total / max(count, 1) > cfg.rs_max_lag_k3)
+        stale.append(rejected)
+        put("rs_stale_seq_fraction", i, [float(rejected)] * len(toks))
+    return stale
+
+
+def lag_reference(sequences, lags, put, weights=None, keeps=None, bounded=None) -> None:
+    """The lag-bucket metrics, each a batch-level value: k3 over the bucket's usable tokens, its share of the valid
+    tokens, and with weights the fraction bounded, the fraction rejected and the ESS of the bucket's weights."""
+    flat_bounded = iter(bounded or [])
+    per_bucket = {b: dict(valid=0, usable=0, k3=0.0, bounded=0, kept=0, w=0.0, w2=0.0) for b in LAG_BUCKETS}
+    for i, (lag, toks) in enumerate(zip(lags, sequences)):
+        bucket = per_bucket[LAG_BUCKETS[min(lag, 3)]]
+        for j, t in enumerate(toks):
+            bucket["valid"] += t["valid"]
+            bucket["usable"] += t["usable"]
+            bucket["k3"] += _k3(t["ell"], t["ell"]) if t["usable"] else 0.0
+            if weights is not None:
+                bucket["bounded"] += next(flat_bounded)
+                bucket["kept"] += keeps[i][j]
+                bucket["w"] += weights[i][j]
+                bucket["w2"] += weights[i][j] ** 2
+    total_valid = sum(b["valid"] for b in per_bucket.values())
+    values = {}
+    for name, b in per_bucket.items():
+        values[f"lag_{name}_k3"] = b["k3"] / max(b["usable"], 1)
+        values[f"lag_{name}_token_fraction"] = b["valid"] / max(total_valid, 1)
+        if weights is not None:
+            values[f"lag_{name}_bounded_fraction"] = b["bounded"] / max(b["valid"], 1)
+            values[f"lag_{name}_rejected_fraction"] = 1.0 - b["kept"] / b["valid"] if b["valid"] else 0.0
+            values[f"lag_{name}_ess"] = min(b["w"] ** 2 / (b["valid"] * b["w2"]), 1.0) if b["w2"] > 0 else 0.0
+    for name, value in values.items():
+        for i, toks in enumerate(sequences):
+            put(name, i, [value] * len(toks))
