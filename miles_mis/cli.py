@@ -45,7 +45,10 @@ def check_config(path: str, use_tis: bool | None) -> int:
         # the flag combinations the host refuses (a file that sets use_rollout_logprobs with use_tis, ...), as the
         # host sees them: its defaults, the file's keys, and this plugin as the correction function
         args = host.build_parser().parse_args([])
+        # a host that runs tis_policy: current passes the current policy (ours with --pass-current-log-probs)
         vars(args).update(values, **flags, custom_config_path=path, use_tis=cfg.use_tis)
+        if "pass_current_log_probs" not in values:
+            args.pass_current_log_probs = cfg.tis_policy == "current"
         args.custom_tis_function_path = args.custom_tis_function_path or "miles_mis.compute_mis_weights_with_cp"
         try:
             host.validate_args(args)
@@ -63,6 +66,9 @@ def check_config(path: str, use_tis: bool | None) -> int:
             continue
         origin = "" if key in keys else "   # default" + (" (host flag --use-tis)" if key == "use_tis" else "")
         print(f"{key}: {_yaml_value(value)}{origin}")
+    if cfg.tis_policy == "current":
+        print("# tis_policy is current: the host must pass the current policy's log-probs (cur_log_probs or "
+              "current_log_probs; the reference host: --pass-current-log-probs)")
     if "use_tis" in keys:
         print("# use_tis is set in the file: it overrides the host's --use-tis flag")
     elif not cfg.use_tis:

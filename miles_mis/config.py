@@ -40,7 +40,8 @@ HOST_OWNED_ATTRIBUTES = frozenset({"tis_clip", "tis_clip_low"})
 # Host flags a --custom-config-path YAML may also set (the host applies them; MisConfig ignores them).
 HOST_FLAG_KEYS = frozenset({"use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "tis_clip",
                             "tis_clip_low", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
-                            "loss_denominator", "loss_type", "use_opsm", "opsm_delta", "qkv_format"})
+                            "loss_denominator", "loss_type", "use_opsm", "opsm_delta", "qkv_format",
+                            "pass_current_log_probs"})
 
 
 # ---------------------------------------------------------------------- key specifications

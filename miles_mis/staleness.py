@@ -37,7 +37,8 @@ def require_lags(config: MisConfig, has_lags: bool) -> None:
     """A config that acts on lags, called without them: one error naming the keys (not a silent no-op)."""
     keys = [key for key in ("tis_upper_bound_by_lag", "rs_max_lag") if getattr(config, key) is not None]
     if keys and not has_lags and config.use_tis:
-        raise ValueError(f"{' and '.join(keys)} need each sequence's lag, but the host passes none: pass "
+        raise ValueError(f"{' and '.join(keys)} need{'s' if len(keys) == 1 else ''} each sequence's lag, but the "
+                         "host passes none: pass "
                          "version_lags, or weight_versions with current_weight_version (docs/staleness.md shows "
                          "the few lines a miles or slime host needs)")
 

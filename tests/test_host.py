@@ -248,3 +248,54 @@ def test_metrics_only_preset_keeps_the_plugin_called_under_use_tis(repo_root):
     batch, current = make_batch([[0.0, 0.1]], [[0.2, -0.1]], [[1.0, -1.0]])
     _, metrics = host.policy_loss(args, batch, current)
     assert "mis_kl" in metrics and "mis_tis_weight_before_bound" not in metrics
+
+
+# ---------------------------------------------------------------- the current policy and lags through the host
+def test_reinforce_with_the_current_policy_weights_by_pi_theta_over_pi_rollout(tmp_path):
+    """--loss-type reinforce --use-tis with tis_policy: current: the loss is −Σ_t A·w_t·log π_θ / n with
+    w_t = min(π_θ/π_rollout, U), detached, so d loss / d log π_θ = −A·w / n: the policy gradient at θ itself."""
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_policy: current\ntis_upper_bound: 1.5\n")
+    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
+                            "--custom-config-path", str(config), "--pass-current-log-probs"])
+    gaps_old, gaps_rollout, advantages = [0.3, -0.2, 0.0], [0.1, 0.6, -0.4], [1.0, -1.0, 2.0]
+    batch, current = make_batch([gaps_old], [gaps_rollout], [advantages])
+    _, metrics, (grad,) = grads(args, batch, current)
+    weights = [min(math.exp(g), 1.5) for g in gaps_rollout]  # log π_θ − log π_rollout = the rollout gap
+    assert grad.tolist() == pytest.approx([-a * w / 3 for a, w in zip(advantages, weights)], rel=1e-5)
+    # tis_policy: old weighs by π_old/π_rollout = exp(rollout gap − old gap) instead
+    config.write_text("tis_upper_bound: 1.5\n")
+    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
+                            "--custom-config-path", str(config)])
+    _, _, (grad,) = grads(args, *make_batch([gaps_old], [gaps_rollout], [advantages]))
+    weights = [min(math.exp(r - o), 1.5) for o, r in zip(gaps_old, gaps_rollout)]
+    assert grad.tolist() == pytest.approx([-a * w / 3 for a, w in zip(advantages, weights)], rel=1e-5)
+
+
+def test_current_policy_flag_is_checked_at_start_up(tmp_path, capsys):
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_policy: current\n")
+    flags = ["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)]
+    with pytest.raises(ValueError, match="tis_policy: current needs --pass-current-log-probs"):
+        host.parse_args(flags)
+    host.parse_args(flags + ["--pass-current-log-probs"])  # PPO: valid, with a warning about double counting
+    assert "count it twice" in capsys.readouterr().err
+    host.parse_args(flags + ["--pass-current-log-probs", "--loss-type", "reinforce"])
+    assert "count it twice" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", [PLUGIN, "miles_mis.compute_mis_weights_packed"])
+def test_the_host_hands_the_batch_lags_to_the_plugin(entry, tmp_path):
+    config = tmp_path / "mis.yaml"
+    config.write_text("rs_max_lag: 1\n")
+    args = host.parse_args(["--use-tis", "--custom-tis-function-path", entry, "--custom-config-path", str(config)])
+    batch, current = make_batch([[0.1, 0.0], [0.0], [0.2, 0.1]], [[0.0, 0.1], [0.3], [0.0, 0.0]],
+                                [[1.0, 1.0], [-1.0], [2.0, 2.0]])
+    for lags in ({"version_lags": [0, 2, 1]}, {"weight_versions": [["5"], ["3", "4"], ["4"]],
+                                                 "current_weight_version": 5}):
+        _, metrics = host.policy_loss(args, dict(batch, **lags), current)
+        # the host's reducer: the mean lag over sequences (per-sequence value), 1 of 3 sequences stale
+        assert float(metrics["mis_version_lag"]) == pytest.approx(0 + 2 + 1)
+        assert float(metrics["mis_rs_stale_seq_fraction"]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="rs_max_lag needs each sequence's lag"):
+        host.policy_loss(args, batch, current)

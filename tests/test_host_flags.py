@@ -519,7 +519,8 @@ def test_host_config_file_gives_the_config_of_from_yaml(tmp_path, key, values, t
 
     from miles_mis import MisConfig
 
-    args, path = parse_with_yaml(tmp_path, text + "\n", *WITH_PLUGIN)
+    current = ["--pass-current-log-probs"] if values.get("tis_policy") == "current" else []  # the host passes π_θ
+    args, path = parse_with_yaml(tmp_path, text + "\n", *WITH_PLUGIN, *current)
     expected = MisConfig.from_yaml(path)
     expected = expected if "use_tis" in values else dataclasses.replace(expected, use_tis=True)  # --use-tis
     assert MisConfig.from_args(args) == expected

@@ -152,9 +152,9 @@ def test_bad_lags_name_the_sequence(kwargs, message):
 def test_lag_keys_without_lags_are_one_clear_error():
     train, rollout, masks = random_batch(0, num_seqs=3)
     for config in (MisConfig(use_tis=True, tis_upper_bound_by_lag=[2.0, 1.5]), MisConfig(use_tis=True, rs_max_lag=1)):
-        with pytest.raises(ValueError, match="need each sequence's lag, but the host passes none"):
+        with pytest.raises(ValueError, match="needs? each sequence's lag, but the host passes none"):
             call(config, train, rollout, masks)
-        with pytest.raises(ValueError, match="need each sequence's lag"):
+        with pytest.raises(ValueError, match="needs? each sequence's lag"):
             compute_mis_weights(config, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
 
 

@@ -70,6 +70,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        help="off-policy sequence masking (DeepSeek-V3.2)")
     group.add_argument("--opsm-delta", type=float, default=1e-4,
                        help="OPSM threshold δ on the sequence KL, >= 0 (default: %(default)s)")
+    group.add_argument("--pass-current-log-probs", action="store_true", default=False,
+                       help="also pass the current policy's log-probs to the correction function (cur_log_probs, as "
+                            "slime PR 2084), for tis_policy: current")
     group.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd",
                        help="packed (thd) or padded (bshd) sequences (default: %(default)s)")
     return parser
@@ -366,9 +369,10 @@ def validate_args(args: argparse.Namespace) -> None:
             from ..config import MisConfig
 
             try:
-                MisConfig.from_args(args)  # the plugin's own config errors, early
+                config = MisConfig.from_args(args)  # the plugin's own config errors, early
             except ValueError as error:
                 raise ValueError(_config_error_message(str(error), config_path, overridden)) from None
+            _check_current_policy(args, config, where)
         cp_size = getattr(args, "context_parallel_size", 1)
         if is_packed_entry(function) and isinstance(cp_size, int) and cp_size > 1:
             raise ValueError(packed_cp_message(args.custom_tis_function_path, cp_size, "--context-parallel-size"))
@@ -380,6 +384,22 @@ def validate_args(args: argparse.Namespace) -> None:
               f"built-in vanilla TIS runs (token weights truncated to [--tis-clip-low, --tis-clip] = "
               f"[{args.tis_clip_low:g}, {args.tis_clip:g}]) and reads no miles_mis config from the file (only its host "
               "flags apply); add --custom-tis-function-path miles_mis.compute_mis_weights_with_cp to use miles_mis",
+              file=sys.stderr, flush=True)
+
+
+def _check_current_policy(args: argparse.Namespace, config: Any, where: str) -> None:
+    """``tis_policy: current`` needs the current log-probs passed (an error at start-up, not at the first step); with
+    the clipped PPO loss and ``--use-tis`` it is valid but double-counts π_θ/π_old after the first optimizer step of
+    a rollout (docs/algorithms.md): a one-line warning."""
+    if config.tis_policy != "current":
+        return
+    if not getattr(args, "pass_current_log_probs", False):
+        raise ValueError("tis_policy: current needs --pass-current-log-probs: the host must pass the current "
+                         "policy's log-probs (cur_log_probs) for the weights π_θ/π_rollout" + where)
+    if config.use_tis and getattr(args, "loss_type", "ppo") == "ppo":
+        print("warning: tis_policy: current with the clipped PPO loss: the PPO ratio already holds π_θ/π_old, so "
+              "the weights π_θ/π_rollout count it twice once π_θ moves from π_old (every optimizer step of a rollout "
+              "after the first); with --loss-type reinforce they are the whole correction (docs/algorithms.md)",
               file=sys.stderr, flush=True)
 
 

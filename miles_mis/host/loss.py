@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed
+from ..versions import LAG_KWARGS
 from ..layout import zigzag_layout
 from ..ops import indicator
 from ..plugin import weigh_loss
@@ -91,7 +92,9 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     ``log_probs``: the current policy's log-probs (with grad), this rank's CP shards. ``batch`` keys:
     ``advantages`` (local shards), ``log_probs`` (π_old, local; may be absent in bypass),
     ``rollout_log_probs`` (local), ``loss_masks`` (FULL length), ``response_lengths``,
-    ``total_lengths``, optional ``max_seq_lens``.
+    ``total_lengths``, optional ``max_seq_lens``, and optional per-sequence lags (``version_lags``, or
+    ``weight_versions`` with ``current_weight_version``), handed to the correction function as they are. With
+    ``--pass-current-log-probs`` the function also gets ``cur_log_probs`` (``log_probs``; it detaches them).
 
     Returns (loss, metrics), as miles: ``loss`` and every metric are sums over this rank's sequences of the
     per-sequence masked token mean (token sums with --calculate-per-token-loss); under context parallelism they
@@ -161,17 +164,20 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
                      metrics: dict[str, Any]) -> tuple[Tensor, Reducer]:
     """Call the correction function on ``pg_loss``: (the corrected loss, the reducer of the returned masks). Adds
     ``ois`` and the function's metrics, reduced with the ORIGINAL masks, to ``metrics``."""
+    extra = dict(prepared.lag_kwargs)  # the optional kwargs: lags as the batch holds them, the current policy
+    if getattr(args, "pass_current_log_probs", False):
+        extra["cur_log_probs"] = prepared.log_probs
     if prepared.packed_config is not None:  # compute_mis_weights_packed: flat tensors and cu_seqlens (cp 1)
         pg_loss, modified_masks, tis_metrics = call_packed(
             prepared.function, prepared.packed_config, pg_loss=pg_loss, train_log_probs=prepared.trainer_scored,
             rollout_log_probs=prepared.rollout, loss_masks=prepared.loss_masks,
-            response_lengths=prepared.response_lengths)
+            response_lengths=prepared.response_lengths, **extra)
     else:
         pg_loss, modified_masks, tis_metrics = prepared.function(
             args=args, pg_loss=pg_loss, train_log_probs=prepared.trainer_scored, rollout_log_probs=prepared.rollout,
             loss_masks=prepared.loss_masks, total_lengths=prepared.total_lengths,
             response_lengths=prepared.response_lengths, parallel_state=parallel_state,
-            max_seq_lens=prepared.max_seq_lens)
+            max_seq_lens=prepared.max_seq_lens, **extra)
     # modified masks rebuild the numerator; the denominators stay the original counts, or (as miles' reducer
     # without rollout_mask_sums) are the sums of the whole returned masks, identical on every CP rank
     denominators = prepared.denominators
@@ -189,7 +195,7 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
 # flags that change which collectives a host call makes, or what it computes: equal on every CP rank
 AGREED_FLAGS = ("use_tis", "use_rollout_logprobs", "get_mismatch_metrics", "custom_tis_function_path", "loss_type",
                 "use_opsm", "opsm_delta", "eps_clip", "eps_clip_high", "eps_clip_c", "calculate_per_token_loss",
-                "loss_denominator", "qkv_format", "tis_clip", "tis_clip_low")
+                "loss_denominator", "qkv_format", "tis_clip", "tis_clip_low", "pass_current_log_probs")
 
 
 def host_config_text(args: argparse.Namespace) -> str:
@@ -206,7 +212,8 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
 
     The per-sequence tensors are concatenated and ``cu_seqlens`` is built from ``response_lengths``
     (whole sequences: the local lengths are the response lengths). Metrics-only (``weights`` None): ``pg_loss``
-    unchanged and the input mask values.
+    unchanged and the input mask values. ``kwargs``: the lags, passed on as they are, and ``cur_log_probs``
+    (per sequence), passed on concatenated as ``current_log_probs``.
     """
     def flat(values: Sequence[Tensor]) -> Tensor:
         return torch.cat(list(values)) if len(values) else torch.zeros(0)
@@ -215,8 +222,11 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     rollout = None if rollout_log_probs is None else flat(rollout_log_probs)
     mask = flat(loss_masks).to(train.device)
     cu_seqlens = torch.tensor([0, *response_lengths], dtype=torch.long, device=train.device).cumsum(0)
+    extra = {key: kwargs[key] for key in LAG_KWARGS if kwargs.get(key) is not None}
+    if kwargs.get("cur_log_probs") is not None:
+        extra["current_log_probs"] = flat([t.detach() for t in kwargs["cur_log_probs"]])
     weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,
-                                           loss_mask=mask, cu_seqlens=cu_seqlens)
+                                           loss_mask=mask, cu_seqlens=cu_seqlens, **extra)
     if weights is not None:
         pg_loss = weigh_loss(pg_loss, weights, kept_mask != 0)
     return pg_loss, list(kept_mask.split_with_sizes([int(n) for n in response_lengths])), metrics
@@ -307,7 +317,9 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
     advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
     ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
-    return SimpleNamespace(function=function, packed_config=packed_config,
+    lag_kwargs = {key: batch[key] for key in LAG_KWARGS if batch.get(key) is not None}
+    return SimpleNamespace(function=function, packed_config=packed_config, log_probs=list(log_probs),
+                           lag_kwargs=lag_kwargs,
                            response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
                            max_seq_lens=max_seq_lens, positions=positions, seq_index=seq_index, active=active,
                            denominators=denominators, reduce=reduce, rollout=rollout, old=old,
