@@ -23,7 +23,7 @@ def call_batch(old, rollout, masks, advantages=None, call=0):
     return CallBatch(calls=[call] * n if isinstance(call, int) else list(call), indices=list(range(n)),
                      response_lengths=[t.numel() for t in old], old_log_probs=old, rollout_log_probs=rollout,
                      loss_masks=masks, advantages=advantages if advantages is not None else [None] * n,
-                     positions=[torch.arange(t.numel()) for t in old])
+                     positions=[torch.arange(t.numel()) for t in old], lags=[None] * n)
 
 
 def evaluate(candidates, *batches):

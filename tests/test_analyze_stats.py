@@ -188,7 +188,7 @@ def test_partitions_into_batches_do_not_matter():
         return CallBatch(calls=calls, indices=[0, 1, 2], response_lengths=[5, 0, 9], old_log_probs=olds,
                          rollout_log_probs=[o - 0.1 * torch.randn(o.shape, generator=gen) for o in olds],
                          loss_masks=[torch.ones(o.numel()) for o in olds], advantages=[None] * 3,
-                         positions=[torch.arange(o.numel()) for o in olds])
+                         positions=[torch.arange(o.numel()) for o in olds], lags=[None] * 3)
 
     a, b = batch([0, 0, 0], 1), batch([1, 1, 1], 2)
     split, whole = StatisticsAccumulator(), StatisticsAccumulator()

@@ -18,8 +18,8 @@ from miles_mis.lab.train import parse_args, train
 
 TOP_KEYS = {"rank", "call", "samples", "ppo_kl", "pg_loss", "finite"}
 SAMPLE_KEYS = {"index", "total_length", "response_length", "train_log_probs", "old_log_probs", "advantages",
-               "local_loss_mask", "rollout_log_probs", "train_rollout_abs_diff"}
-TENSOR_KEYS = SAMPLE_KEYS - {"index", "total_length", "response_length"}
+               "local_loss_mask", "rollout_log_probs", "train_rollout_abs_diff", "version_lag"}
+TENSOR_KEYS = SAMPLE_KEYS - {"index", "total_length", "response_length", "version_lag"}
 FINITE_KEYS = {"ppo_kl", "pg_loss", "train_log_probs", "old_log_probs", "advantages"}
 TINY = ["--quiet", "--prompts-per-step", "4", "--sft-steps", "10"]  # 32 sequences, 2 minibatches per step
 

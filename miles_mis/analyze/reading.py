@@ -51,6 +51,7 @@ class Shard:
     rollout: Tensor
     mask: Tensor
     advantages: Tensor | None
+    version_lag: int | None = None  # weight versions behind the trainer (the lab's dumps; not in miles')
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class CallBatch:
     loss_masks: list[Tensor]  # float32, nonzero = valid token
     advantages: list[Tensor | None]  # None where the dump has none
     positions: list[Tensor]  # int64 response-relative position of each token; -1 where unknown
+    lags: list[int | None]  # per sequence: its version lag (None where the dump has none)
 
     @staticmethod
     def join(batches: list["CallBatch"]) -> "CallBatch":
@@ -135,6 +137,11 @@ class DumpReader:
             columns["advantages"].append(None if any(a is None for a in advantages)
                                          else torch.cat(advantages).index_select(0, order))
             columns["positions"].append(positions.index_select(0, order))
+            lags = {part.version_lag for part in parts}
+            if len(lags) > 1:
+                raise ValueError(f"call {call}, sample {index}: its CP ranks' dumps disagree on version_lag "
+                                 f"({sorted(lags, key=str)})")
+            columns["lags"].append(lags.pop())
         return CallBatch(**columns)
 
     def _check_lengths(self, call: int, index: int, parts: list[Shard]) -> None:
@@ -328,8 +335,13 @@ def _read_sample(path: Path, rank: int, call: int, position: int, sample) -> Sha
             and advantages.layout == torch.strided and not advantages.is_meta and not advantages.is_quantized
             and not advantages.is_nested and not advantages.is_complex()):
         advantages = None  # optional: the advisor's signal shift needs it, nothing else does
+    lag = sample.get("version_lag")
+    if lag is not None:
+        lag = _as_int(lag)
+        if lag is None or lag < 0:
+            raise ValueError(f"{where}: version_lag {sample['version_lag']!r} is not an integer >= 0")
     return Shard(path, rank, call, index, response_length, total_length, old, rollout, mask,
-                 None if advantages is None else advantages.float())
+                 None if advantages is None else advantages.float(), lag)
 
 
 def _token_tensor(where: str, sample: dict, name: str) -> Tensor:

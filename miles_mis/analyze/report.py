@@ -163,6 +163,7 @@ def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | 
     lines += ["## Where the mismatch lives", ""]
     for key in BUCKETS:
         lines += _bucket_section(statistics, key, figures)
+    lines += _lag_section(statistics)
     lines += _calls_section(statistics, figures)
     lines += _histogram_section(statistics, figures)
     lines += _worst_section(statistics)
@@ -225,6 +226,42 @@ def _bucket_section(statistics: Mapping[str, Any], key: str, figures: Sequence[P
              for row in rows]
     lines += _table([bucket] + counts + [name for _, name in metrics], table)
     return lines + _peak(rows, bucket, count, statistics) + _figure(figures, key, heading)
+
+
+def _lag_section(statistics: Mapping[str, Any]) -> list[str]:
+    """By version lag, and how much of the mismatch is staleness (only when the dump records lags)."""
+    rows = statistics.get("by_lag") or []
+    if not rows:
+        return []
+    lines = ["### By version lag", "", "Sequences grouped by how many weight versions behind the trainer they were "
+             "generated (asynchronous training); k3 is the mean over their tokens.", ""]
+    lines += _table(["lag", "sequences", "tokens", "k3", "k1", "mean |Δ log p|"],
+                    [[str(row["bucket"]), fmt(row["sequences"]), fmt(row["tokens"]), fmt(row["k3"]), fmt(row["k1"]),
+                      fmt(row["mean_abs_log_ratio"])] for row in rows])
+    return lines + [attribution_sentence(statistics.get("lag_attribution")), ""]
+
+
+def attribution_sentence(attribution: Mapping[str, Any] | None) -> str:
+    """Staleness or numerics: what the lag buckets say (statistics.lag_attribution)."""
+    if not attribution:
+        return "The dump records no lags."
+    stale = attribution.get("stale_buckets") or []
+    numerics = _finite(attribution.get("numerics_k3"))
+    if not stale:
+        return (f"Every sequence is at lag 0: the measured k3 ({fmt(numerics)}) is the engine's numerics, with no "
+                "staleness in it.")
+    if numerics is None:
+        return ("No sequence is at lag 0, so staleness and the engine's numerics cannot be told apart here: compare "
+                "with the dump of a synchronous run (or of lag-0 samples) of the same engine.")
+    parts = [f"lag {row['bucket']}: k3 {fmt(row['k3'])}, {fmt(100 * (row['staleness_share'] or 0.0))} % of it "
+             "staleness" for row in stale]
+    most = max((row["staleness_share"] or 0.0) for row in stale)
+    verdict = ("most of the mismatch of stale samples is staleness: fix the schedule (fewer versions of lag, "
+               "`rs_max_lag`, `tis_upper_bound_by_lag`) before the engine" if most > 0.5 else
+               "stale samples are about as mismatched as fresh ones: the engine's numerics dominate, fix or correct "
+               "them first")
+    return (f"Lag-0 sequences carry no staleness: their k3 = {fmt(numerics)} is the engine's numerics. Over it "
+            f"({'; '.join(parts)}): {verdict}. (This assumes the numerics do not depend on the lag.)")
 
 
 def _calls_section(statistics: Mapping[str, Any], figures: Sequence[Path] | None) -> list[str]:

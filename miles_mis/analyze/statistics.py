@@ -11,7 +11,8 @@ expm1(clamp(ℓ_t)) − ℓ_t in float64 (estimators.py: e^c − ℓ − 1 cance
   probability of the sampled token (fixed buckets), by response length (log2 buckets), and by call (training
   time) with a least-squares trend of the per-call k3;
 - a fixed-bin histogram of ℓ (symmetric-log bins) and quantiles of ℓ read from it;
-- the worst sequences (highest mean k3).
+- the worst sequences (highest mean k3);
+- by version lag (0, 1, 2, ≥ 3 weight versions behind the trainer), when the dump records lags.
 
 Every statistic is a sum, a count, a maximum or a top-k over tokens or sequences, kept in fixed-size float64
 accumulators (per-call rows grow with the number of calls only), so ``update`` may be called with any
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from ..core import LOG_PROB_BOUND
 from ..ops import LOG_RATIO_CLAMP
+from ..staleness import BUCKETS as LAG_BUCKETS
 from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
 
@@ -64,6 +66,8 @@ class StatisticsAccumulator:
         self.histogram = torch.zeros(len(HISTOGRAM_EDGES) - 1, dtype=torch.float64)
         # call -> [sequences, valid, usable, nonfinite, Σ k3, Σ k1, max |ℓ|]
         self.by_call: dict[int, list[float]] = defaultdict(lambda: [0.0] * 7)
+        # lag bucket (0, 1, 2, 3plus) -> [sequences, tokens, Σ k3, Σ k1, Σ |ℓ|], of the sequences whose lag is known
+        self.by_lag = torch.zeros(len(LAG_BUCKETS), 5, dtype=torch.float64)
         self.worst: list[dict] = []
 
     # ------------------------------------------------------------------ update
@@ -131,6 +135,13 @@ class StatisticsAccumulator:
         self.by_length.index_add_(0, length_bucket, torch.stack(
             [torch.ones(num_seqs, dtype=torch.float64), n_usable, sum_k3, outside.double()], 1))
 
+        known = torch.tensor([lag is not None for lag in batch.lags], dtype=torch.bool)
+        if bool(known.any()):
+            lags = torch.tensor([lag if lag is not None else 0 for lag in batch.lags], dtype=torch.long)
+            sum_abs = torch.zeros(num_seqs, dtype=torch.float64).index_add_(0, seq, abs_ell)
+            self.by_lag.index_add_(0, lags[known].clamp(max=len(LAG_BUCKETS) - 1), torch.stack(
+                [torch.ones(num_seqs, dtype=torch.float64), n_usable, sum_k3, sum_k1, sum_abs], 1)[known])
+
         calls = torch.tensor(batch.calls, dtype=torch.long)
         nonfinite = n_valid - n_usable
         for call in sorted(set(batch.calls)):
@@ -181,6 +192,8 @@ class StatisticsAccumulator:
             "by_rollout_prob": _prob_rows(self.by_prob),
             "by_length": _length_rows(self.by_length),
             "by_call": by_call,
+            "by_lag": _lag_rows(self.by_lag),
+            "lag_attribution": lag_attribution(_lag_rows(self.by_lag)),
             "trend": _trend(by_call),
             "histogram": {"edges": list(HISTOGRAM_EDGES), "counts": [int(c) for c in self.histogram.tolist()]},
             "quantiles": _quantiles(self.histogram),
@@ -251,6 +264,37 @@ def _prob_rows(sums: Tensor) -> list[dict]:
     return [{"bucket": f"[{low:g}, {high:g})" if high < 1 else f"[{low:g}, 1]", "low": low, "high": high,
              **{k: v for k, v in _bucket_values(sums[b]).items() if k != "k1"}}
             for b, (low, high) in enumerate(zip(PROB_EDGES[:-1], PROB_EDGES[1:]))]
+
+
+def _lag_rows(sums: Tensor) -> list[dict]:
+    """The lag buckets that hold a sequence (none when the dump has no lags)."""
+    rows = []
+    for b, name in enumerate(LAG_BUCKETS):
+        sequences, tokens, sum_k3, sum_k1, sum_abs = sums[b].tolist()
+        if sequences:
+            rows.append({"bucket": "≥ 3" if name == "3plus" else name, "lag": b, "sequences": int(sequences),
+                         "tokens": int(tokens), "k3": sum_k3 / tokens if tokens else None,
+                         "k1": sum_k1 / tokens if tokens else None,
+                         "mean_abs_log_ratio": sum_abs / tokens if tokens else None})
+    return rows
+
+
+def lag_attribution(rows: list[dict]) -> dict | None:
+    """The mismatch split by lag, where the data allow it: samples at lag 0 carry no staleness, so their k3 is the
+    engine's numerics; a stale bucket's excess over it is attributed to staleness (assuming the numerics do not
+    depend on the lag). None without lags; ``numerics_k3`` None without lag-0 samples (nothing to separate by)."""
+    if not rows:
+        return None
+    fresh = next((row for row in rows if row["lag"] == 0 and row["k3"] is not None), None)
+    numerics = None if fresh is None else fresh["k3"]
+    stale = []
+    for row in rows:
+        if row["lag"] == 0 or row["k3"] is None:
+            continue
+        excess = None if numerics is None else max(row["k3"] - numerics, 0.0)
+        stale.append({"bucket": row["bucket"], "k3": row["k3"], "staleness_k3": excess,
+                      "staleness_share": None if excess is None or row["k3"] <= 0 else excess / row["k3"]})
+    return {"numerics_k3": numerics, "stale_buckets": stale}
 
 
 def _length_rows(sums: Tensor) -> list[dict]:

@@ -7,7 +7,8 @@ call of the policy loss per rank: ``DIR/policy_loss_debug/rank_<r>_call_<c>.pt``
      "samples": [{"index": int, "total_length": int, "response_length": int,
                   "train_log_probs": T, "old_log_probs": T, "advantages": T, "local_loss_mask": T,
                   "rollout_log_probs": T,        # only when the batch has rollout log-probs
-                  "train_rollout_abs_diff": T},  # |train - rollout|, only when their shapes match
+                  "train_rollout_abs_diff": T,   # |train - rollout|, only when their shapes match
+                  "version_lag": int},           # weight versions behind the trainer, when the batch has lags
                  ...],
      "ppo_kl": T, "pg_loss": T,                  # per token, this rank's tokens, before OPSM and TIS
      "finite": {"ppo_kl": bool, "pg_loss": bool, "train_log_probs": bool, "old_log_probs": bool,
@@ -118,6 +119,8 @@ def policy_loss_record(args: argparse.Namespace, batch: Mapping[str, Any], log_p
             sample["rollout_log_probs"] = _cpu(rollout[index])
             if train.shape == rollout[index].shape:
                 sample["train_rollout_abs_diff"] = _cpu((train - rollout[index]).abs())
+        if batch.get("version_lags") is not None:  # weight versions behind the trainer (not in miles' dumps)
+            sample["version_lag"] = int(batch["version_lags"][index])
         samples.append(sample)
 
     cat = lambda values: torch.cat(values) if values else torch.zeros(0)  # noqa: E731

@@ -26,7 +26,7 @@ import torch
 from .. import host
 from ..analyze.estimators import k3_terms
 from ..layout import zigzag_layout
-from . import task
+from . import schedule, task
 from .dump import PolicyLossDumper, policy_loss_record
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .model import routing_disagreement
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--router-replay", action="store_true",
                      help="the trainer reuses the engine's expert choices (R3): no routing mismatch")
     lab.add_argument("--rollout-staleness", type=int, default=1, help="engine weights synced every K steps")
+    lab.add_argument("--async-max-lag", type=int, default=0, metavar="M",
+                     help="a fully asynchronous buffer: prompt group g of a batch was generated g mod (M+1) weight "
+                          "versions ago, so every batch mixes the lags 0..M (0 = off; not with --rollout-staleness "
+                          "> 1)")
     lab.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature")
     lab.add_argument("--rollout-logit-noise", type=float, default=0.0,
                      help="SYNTHETIC Gaussian noise (std) added to the engine's logits, for stress tests")
@@ -118,6 +122,12 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     host.validate_args(args)
     if args.steps < 0 or args.rollout_staleness < 1 or args.group_size < 2:
         raise ValueError("--steps must be >= 0, --rollout-staleness >= 1 and --group-size >= 2")
+    if args.async_max_lag < 0 or (args.async_max_lag and args.rollout_staleness > 1):
+        raise ValueError(f"--async-max-lag {args.async_max_lag} --rollout-staleness {args.rollout_staleness}: allowed "
+                         "values are --async-max-lag >= 0, and not both schedules at once (one of them > 1 / > 0)")
+    if args.async_max_lag and args.moe_experts:
+        raise ValueError("--async-max-lag is not available with --moe-experts: the engine's expert choices are "
+                         "recorded per generate call, and a mixed batch takes one call per version")
     if args.dump_interval < 1:
         raise ValueError(f"--dump-interval must be >= 1, got {args.dump_interval}")
     if args.moe_experts < 0 or (args.moe_experts and not 1 <= args.moe_top_k <= args.moe_experts):
@@ -234,6 +244,7 @@ class LabRun:
     prompt_generator: torch.Generator
     cp: CPContext
     dumper: PolicyLossDumper
+    snapshots: schedule.Snapshots
     history: list[dict] = field(default_factory=list)
     start_step: int = 0
 
@@ -241,7 +252,7 @@ class LabRun:
         return {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "engine": self.engine.state_dict(), "prompts": self.prompt_generator.get_state(),
                 "torch": torch.get_rng_state(), "history": self.history, "step": step,
-                "policy_loss_calls": self.dumper.calls}
+                "policy_loss_calls": self.dumper.calls, "snapshots": self.snapshots.state_dict()}
 
 
 @dataclass
@@ -257,6 +268,7 @@ class Rollout:
     advantages: torch.Tensor
     routing: list[torch.Tensor] | None
     features: Any = None  # what the policy's π_old pass leaves for the minibatch steps (a frozen trunk's output)
+    lags: list[int] = field(default_factory=list)  # per sample: weight versions behind the trainer (schedule.py)
 
 
 def start_run(args: argparse.Namespace) -> LabRun:
@@ -266,7 +278,9 @@ def start_run(args: argparse.Namespace) -> LabRun:
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     policy = make_policy(args)  # seeded from --seed; the tiny model warm-started unless resuming
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    run = LabRun(policy, optimizer, policy.make_engine(), torch.Generator().manual_seed(args.seed + 2), cp, dumper)
+    keep = max(args.rollout_staleness, args.async_max_lag + 1)  # the versions a batch can come from
+    run = LabRun(policy, optimizer, policy.make_engine(), torch.Generator().manual_seed(args.seed + 2), cp, dumper,
+                 schedule.Snapshots(keep))
     checkpoint_path = Path(args.out_dir) / "checkpoint.pt"
     if args.resume and checkpoint_path.exists():
         resume(run, args, checkpoint_path)
@@ -284,6 +298,8 @@ def resume(run: LabRun, args: argparse.Namespace, checkpoint_path: Path) -> None
         run.prompt_generator.set_state(state["prompts"])
         torch.set_rng_state(state["torch"])
         run.history, run.start_step = list(state["history"]), int(state["step"])
+        if "snapshots" in state:
+            run.snapshots.load_state_dict(state["snapshots"])
     except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a file of another shape or model size
         first = " ".join(str(error).split())[:300] or type(error).__name__
         raise ValueError(f"--resume {checkpoint_path}: not a checkpoint of this lab run ({type(error).__name__}: "
@@ -294,27 +310,69 @@ def resume(run: LabRun, args: argparse.Namespace, checkpoint_path: Path) -> None
 
 
 def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[Rollout, dict[str, float]]:
-    """Sync the engine (every --rollout-staleness steps), sample a GRPO batch, score it; (rollout, the step's row
-    of reward and raw mismatch metrics)."""
-    if step % args.rollout_staleness == 0:
-        run.engine.sync(run.policy.model)
+    """Generate a GRPO batch at the schedule's weight versions (schedule.py), score it; (rollout, the step's row of
+    reward, raw mismatch and its decomposition into staleness and numerics)."""
     prompts = run.policy.sample_prompts(run.prompt_generator)
-    responses, rollout_log_probs = run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
+    versions = schedule.group_versions(step, len(prompts.problems), args.group_size, args.rollout_staleness,
+                                       args.async_max_lag)
+    if run.snapshots.keep > 1:  # the weights of this version, for the samples it generates and their scoring
+        run.snapshots.save(step, run.policy)
+    responses, rollout_log_probs = _generate(run, args, step, prompts, versions)
     routing = run.engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
     rewards = run.policy.rewards(prompts, responses)
     sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
     old_log_probs, features = run.policy.old_log_probs(sequences, prompts.lengths, routing)
+    lags = [step - v for v in versions]
     rollout = Rollout(sequences, prompts.lengths, [r.numel() for r in responses], [s.numel() for s in sequences],
-                      rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing, features)
+                      rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing, features,
+                      lags)
     row: dict[str, float] = {
         "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "exact_match": float((rewards == 1.0).float().mean()),
         "response_length": sum(rollout.response_lengths) / len(responses),
         **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
+        **schedule.decompose(old_log_probs, _scored_at_versions(run, step, rollout, versions), rollout_log_probs,
+                             lags),
     }
     if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
         row["routing_mismatch"] = routing_disagreement(run.policy.model, sequences, run.engine.last_routing)
     return rollout, row
+
+
+def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, versions: list[int]):
+    """(responses, rollout log-probs) of every prompt, each generated by the engine holding its version's weights:
+    one sync every --rollout-staleness steps, or with --async-max-lag one sync and one generate call per version."""
+    if not args.async_max_lag:
+        if step % args.rollout_staleness == 0:
+            run.engine.sync(run.policy.model)
+        return run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
+    responses: list = [None] * len(versions)
+    log_probs: list = [None] * len(versions)
+    for version in sorted(set(versions)):
+        indices = [i for i, v in enumerate(versions) if v == version]
+        tokens = (prompts.tokens[torch.tensor(indices)] if isinstance(prompts.tokens, torch.Tensor)
+                  else [prompts.tokens[i] for i in indices])
+        with schedule.weights_of(run.policy, run.snapshots, version, step):
+            run.engine.sync(run.policy.model)
+        generated, scored = run.engine.generate(tokens, run.policy.max_new_tokens)
+        for i, response, lp in zip(indices, generated, scored):
+            responses[i], log_probs[i] = response, lp
+    return responses, log_probs
+
+
+def _scored_at_versions(run: LabRun, step: int, rollout: Rollout, versions: list[int]) -> list[torch.Tensor]:
+    """π_trainer(v) of every sample: the trainer's log-probs with the weights that generated it (π_old itself for
+    the samples of the current version)."""
+    scored = list(rollout.old_log_probs)
+    for version in sorted(set(versions) - {step}):
+        indices = [i for i, v in enumerate(versions) if v == version]
+        routing = None if rollout.routing is None else [rollout.routing[i] for i in indices]
+        with schedule.weights_of(run.policy, run.snapshots, version, step), torch.no_grad():
+            values, _ = run.policy.old_log_probs([rollout.sequences[i] for i in indices],
+                                                 [rollout.prompt_lengths[i] for i in indices], routing)
+        for i, value in zip(indices, values):
+            scored[i] = value
+    return scored
 
 
 def optimize(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout) -> dict[str, float]:
@@ -346,6 +404,7 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
         "rollout_log_probs": shard([rollout.rollout_log_probs[i] for i in idx]),
         "loss_masks": [torch.ones(n) for n in resp],
         "response_lengths": resp, "total_lengths": totals,
+        "version_lags": [rollout.lags[i] for i in idx],  # what miles' weight_versions give a host (docs/staleness.md)
     }
     current = shard(current_full)
     loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
