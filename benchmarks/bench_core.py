@@ -25,7 +25,12 @@ pass: without = core.local_batch_values replaced by a function returning a zero 
 and dtype (restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the
 packed entry points at B=8 and B=512: each must be equal.
 
-    python benchmarks/bench_core.py [--repeats 15]
+With ``--lags``, instead: the cost of per-sequence lags (docs/staleness.md). At each shape, the default list call
+without lags, the same call with ``version_lags`` (random lags 0..4: the lag-bucket metrics), and with lags and the
+lag-aware keys too (``tis_upper_bound_by_lag`` and the ``rs_max_lag`` / ``rs_max_lag_k3`` gate), interleaved;
+then the aten operations per call without lags and with them at B=8 and B=512.
+
+    python benchmarks/bench_core.py [--repeats 15] [--lags]
 """
 
 from __future__ import annotations
@@ -373,11 +378,46 @@ def check_same(inputs, pg_loss, flat, dense, real):
         torch.testing.assert_close(d_metrics[name][real], a_metrics[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+LAG_CONFIG = MisConfig(**dict(CONFIG.to_dict(), tis_upper_bound_by_lag=[2.0, 1.5, 1.25], rs_max_lag=2,
+                               rs_max_lag_k3=0.05))
+
+
+def lag_costs(repeats: int) -> None:
+    """The default list call without lags, with lags, and with lags and the lag-aware keys, interleaved."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians in ms of the list entry point, "
+          "interleaved (target: lag metrics at most 10% of a default call)")
+    print(f"{'B':>5} {'T':>5} {'tokens':>7} {'no lags':>8} {'lags':>8} {'+bounds, gate':>14} {'lags %':>7} "
+          f"{'+keys %':>8}")
+    for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128), (4096, 64)]:
+        inputs = make_inputs(num_seqs, max_len)
+        pg_loss = torch.ones(sum(inputs["response_lengths"]))
+        lags = torch.randint(0, 5, (num_seqs,), generator=torch.Generator().manual_seed(1)).tolist()
+        plain, with_lags, with_keys = interleaved_medians_ms(
+            lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs),
+            lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, version_lags=lags, **inputs),
+            lambda: compute_mis_weights_with_cp(LAG_CONFIG, pg_loss=pg_loss, version_lags=lags, **inputs),
+            repeats=repeats)
+        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {plain:>8.2f} {with_lags:>8.2f} {with_keys:>14.2f} "
+              f"{100 * (with_lags - plain) / plain:>6.1f}% {100 * (with_keys - plain) / plain:>7.1f}%")
+    for num_seqs in (8, 512):
+        inputs = make_inputs(num_seqs, 64, seed=1)
+        pg_loss = torch.ones(sum(inputs["response_lengths"]))
+        lags = [i % 5 for i in range(num_seqs)]
+        without = count_aten_ops(lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs))
+        with_lags = count_aten_ops(lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, version_lags=lags,
+                                                                       **inputs))
+        print(f"aten ops per call at B={num_seqs}: {without} without lags, {with_lags} with them")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--lags", action="store_true", help="the cost of per-sequence lags instead")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.lags:
+        lag_costs(args.repeats)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis)")
     print("medians in ms, list/packed/padded/list I/O run interleaved, then per-seq interleaved with list "
           "(seq/list is from that pass);")

@@ -190,10 +190,12 @@ def _counts_bounded(config: MisConfig, has_lags: bool) -> bool:
 
 
 def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
-    """[N] float 0/1: usable tokens whose ratio is outside the token bound (ρ > U for truncate; ρ ∉ [L, U] else)."""
-    outside = indicator(torch.gt, terms.token_ratio, terms.upper)
+    """[N] float64 0/1: usable tokens whose ratio is outside the token bound (ρ > U for truncate; ρ ∉ [L, U] else);
+    float64 already, as the per-sequence sum takes it (one pass fewer than a float32 indicator)."""
+    ratio = terms.token_ratio
+    outside = torch.gt(ratio, terms.upper, out=torch.empty_like(ratio, dtype=torch.float64))
     if config.tis_mode != "truncate":
-        outside.add_(indicator(torch.lt, terms.token_ratio, config.tis_lower_bound))
+        outside.add_(torch.lt(ratio, config.tis_lower_bound, out=torch.empty_like(outside)))
     return outside.mul_(terms.usable)
 
 
@@ -220,16 +222,17 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
     not_passing = 1.0 - terms.token_pass
     columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0).double())
     columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN).double())
-    table = torch.stack(columns, dim=1)
+    bounded = (batch.per_seq_sum(bounded_tokens(terms, config))
+               if config is not None and _counts_bounded(config, batch.lags is not None) else None)
     if config is not None and config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
         extra = divergence.local_columns(layout, terms.usable, terms.estimators, terms.divergence_kept,
                                          batch.per_seq_sum,
                                          lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE).double())
-        table = torch.cat([table, extra], dim=1)
-    if config is not None and _counts_bounded(config, batch.lags is not None):
-        table = torch.cat([table, batch.per_seq_sum(bounded_tokens(terms, config))[:, None]], dim=1)
-    return table
+        columns += list(extra.unbind(1))
+    if bounded is not None:  # the last column (finalize reads it there)
+        columns.append(bounded)
+    return torch.stack(columns, dim=1)
 
 
 def combine_seq_stats(per_rank: Tensor, config: MisConfig | None = None) -> Tensor:
@@ -384,6 +387,7 @@ class FinalizeState:
     kept: KeptWeights | None = None
     factor: Tensor | None = None  # the batch normalisation's divisor
     weight_statistics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # 0-d, of the final weights
+    batch_vector: tuple[tuple[str, ...], Tensor] | None = None  # more batch-level values, as (names, 1-D values)
 
     @classmethod
     def start(cls, batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisConfig,
@@ -457,7 +461,7 @@ def metrics_only(state: FinalizeState) -> Correction:
     """``use_tis`` off: the mismatch metrics, no weights, the valid tokens kept and every sequence kept."""
     batch = state.batch
     measure_by_lag(state)
-    state.token_metrics.update(_expand(state.batch_metrics, batch.seq_index.numel()))
+    state.token_metrics.update(_expand(state.batch_metrics, batch.seq_index.numel(), state.batch_vector))
     return Correction(None, state.terms.valid,
                       torch.ones(batch.num_seqs, dtype=torch.bool, device=state.stats.device),
                       _metrics(state.token_metrics, _broadcast(batch, state.seq_values)))
@@ -569,13 +573,12 @@ def measure_by_lag(state: FinalizeState) -> None:
     if lags is None:
         return
     col = state.col
-    state.seq_values["version_lag"] = lags.to(state.stats.device).double()
     if state.n_pass is None:  # metrics-only
-        state.batch_metrics.update(staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"]))
+        state.batch_vector = staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"])
         return
     if state.seq_weight is None:
-        keep = state.seq_keep.double()
-        sum_w, sum_w_sq = col["sum_token_weight"] * keep, col["sum_token_weight_sq"] * keep
+        sum_w = torch.where(state.seq_keep, col["sum_token_weight"], 0.0)
+        sum_w_sq = torch.where(state.seq_keep, col["sum_token_weight_sq"], 0.0)
         n_bounded = state.stats[:, -1]  # the table's last column (num_columns)
     else:
         sum_w, sum_w_sq = state.n_pass * state.seq_weight, state.n_pass * state.seq_weight.square()
@@ -584,8 +587,8 @@ def measure_by_lag(state: FinalizeState) -> None:
         if state.config.tis_mode != "truncate":
             outside = outside | (state.seq_ratio < state.config.tis_lower_bound)
         n_bounded = col["n_valid"] * outside
-    state.batch_metrics.update(staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"],
-                                                        n_bounded, state.n_pass, sum_w, sum_w_sq))
+    state.batch_vector = staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"], n_bounded,
+                                                  state.n_pass, sum_w, sum_w_sq)
 
 
 def reject_by_divergence(state: FinalizeState) -> None:
@@ -735,7 +738,8 @@ def broadcast_to_tokens(state: FinalizeState) -> Correction:
     weight = (weight / state.factor).detach()
     token_metrics["is_ratio_mean_final"] = weight
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
-    token_metrics.update(_expand({**state.weight_statistics, **state.batch_metrics}, weight.numel()))
+    token_metrics.update(_expand({**state.weight_statistics, **state.batch_metrics}, weight.numel(),
+                                 state.batch_vector))
     return Correction(weight, token_keep, state.seq_keep, _metrics(token_metrics, per_token), state.message)
 
 
@@ -749,16 +753,23 @@ def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: M
     return seq_weight, rejected
 
 
-def _expand(values: dict[str, Tensor], num_tokens: int) -> dict[str, Tensor]:
+def _expand(values: dict[str, Tensor], num_tokens: int,
+            vector: tuple[tuple[str, ...], Tensor] | None = None) -> dict[str, Tensor]:
     """Batch-level values -> one [N] tensor each: a broadcast view (stride 0) of the 0-d value, not N copies.
     Materialising them cost a 4·M·N-byte table per call (~5 MB at 80k tokens, 1.2 ms of first-touch page
     faults, a third of a default call); a reduction or product by the host reads a view like any tensor.
-    Writing into one in place is refused by torch (docs/contract.md): copy it first."""
-    if not values:
+    Writing into one in place is refused by torch (docs/contract.md): copy it first. ``vector``: more values
+    already in one 1-D tensor (names, values), e.g. the lag-bucket metrics: joined without a 0-d tensor each."""
+    names = list(values)
+    if not names and vector is None:
         return {}
     # one stack and one unbind for all of them (a reshape, cast and expand each cost ~3 ops per value)
-    column = torch.stack([value.reshape(()) for value in values.values()]).float()
-    return dict(zip(values, column[:, None].expand(-1, num_tokens).unbind(0)))
+    parts = [torch.stack([value if value.dim() == 0 else value.reshape(()) for value in values.values()]).float()]
+    if vector is not None:
+        names += vector[0]
+        parts.append(vector[1].float())
+    column = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return dict(zip(names, column[:, None].expand(-1, num_tokens).unbind(0)))
 
 
 def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:

@@ -12,7 +12,7 @@ the trainer's ``current_weight_version``: docs/staleness.md) gets, over the micr
       mis_lag_<b>_rejected_fraction = 1 − Σ_{i∈b} n_pass_i / Σ_{i∈b} n_valid_i       (use_tis)
       mis_lag_<b>_ess               = (Σ_{i∈b} Σw)² / (Σ_{i∈b} n_valid_i · Σ_{i∈b} Σw²)   (use_tis)
 
-  each 0 for an empty bucket, and ``mis_version_lag`` = λ_i per sequence (the host's reducer gives the mean lag);
+  each 0 for an empty bucket, and ``mis_version_lag``, the mean lag over the micro-batch's sequences;
 - lag-aware bounds (``tis_upper_bound_by_lag`` = [U_0, U_1, …]): U_i = U_{min(λ_i, last)} (``seq_upper_bounds``);
 - the staleness gate (``rs_max_lag`` = L, ``rs_max_lag_k3`` = κ; ``stale_rejections``):
 
@@ -72,26 +72,26 @@ def stale_rejections(config: MisConfig, lags: Tensor, sum_k3: Tensor, n_usable: 
 
 def bucket_metrics(lags: Tensor, n_valid: Tensor, n_usable: Tensor, sum_k3: Tensor,
                    n_bounded: Tensor | None = None, n_pass: Tensor | None = None, sum_w: Tensor | None = None,
-                   sum_w_sq: Tensor | None = None) -> dict[str, Tensor]:
-    """The batch-level metrics by lag bucket (0-d float32, named ``lag_<b>_<metric>``) from per-sequence [B]
-    quantities; the use_tis ones only when ``n_pass`` is given. One [B, 4] one-hot product sums every column by
-    bucket."""
-    columns = [n_valid, n_usable, sum_k3]
+                   sum_w_sq: Tensor | None = None) -> tuple[tuple[str, ...], Tensor]:
+    """The batch-level metrics by lag bucket as (names ``lag_<b>_<metric>``, then ``version_lag``; float32 values)
+    from per-sequence [B] quantities; the use_tis ones only when ``n_pass`` is given. One index_add sums every column by bucket, and every
+    metric is one ratio of the [metrics, 4] numerators and denominators (a denominator is 0 only
+    where its numerator is, so the clamp makes an empty bucket 0)."""
+    columns = [n_valid, n_usable, sum_k3] + ([] if n_pass is None else [n_bounded, n_pass, sum_w, sum_w_sq])
+    table = torch.stack(columns).double()  # [columns, B]
+    sums = table.new_zeros(len(columns), len(BUCKETS)).index_add_(1, bucket_of(lags.to(table.device)), table)
+    valid, usable, k3, *rest = sums.unbind(0)  # each [4]
+    numerators, denominators = [k3, valid], [usable, valid.sum().expand(len(BUCKETS))]
     if n_pass is not None:
-        columns += [n_bounded, n_pass, sum_w, sum_w_sq]
-    table = torch.stack([c.double() for c in columns], 1)
-    one_hot = torch.nn.functional.one_hot(bucket_of(lags.to(table.device)), len(BUCKETS)).double()
-    sums = one_hot.t() @ table  # [4, M]
-    valid, usable, k3 = sums[:, 0], sums[:, 1], sums[:, 2]
-    values = {"k3": k3 / usable.clamp(min=1.0), "token_fraction": valid / valid.sum().clamp(min=1.0)}
+        bounded, passed, weight, weight_sq = rest
+        numerators += [bounded, valid - passed, weight * weight]
+        denominators += [valid, valid, valid * weight_sq]
+    ratios = torch.stack(numerators) / torch.stack(denominators).clamp(min=1e-30)
     if n_pass is not None:
-        bounded, passed, weight, weight_sq = sums[:, 3], sums[:, 4], sums[:, 5], sums[:, 6]
-        values["bounded_fraction"] = bounded / valid.clamp(min=1.0)
-        values["rejected_fraction"] = torch.where(valid > 0, 1.0 - passed / valid.clamp(min=1.0), 0.0)
-        values["ess"] = torch.where(weight_sq > 0, weight.square() / (valid * weight_sq).clamp(min=1e-30),
-                                    0.0).clamp(max=1.0)
-    stacked = torch.stack(list(values.values())).float()  # [metrics, 4]
-    return {f"lag_{bucket}_{name}": stacked[m, b] for m, name in enumerate(values) for b, bucket in enumerate(BUCKETS)}
+        ratios[-1].clamp_(max=1.0)  # the ESS: ≤ 1 by Cauchy–Schwarz, the clamp absorbs rounding
+    # and the mean lag of the sequences (the host's mean over sequences of it is the mean lag of the whole batch)
+    values = torch.cat([ratios.view(-1), lags.to(table.device, torch.float64).mean().view(1)]).float()
+    return metric_names(n_pass is not None) + ("version_lag",), values
 
 
 def metric_names(use_tis: bool) -> tuple[str, ...]:

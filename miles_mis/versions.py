@@ -57,7 +57,10 @@ def _lag_list(values: Any) -> list[int]:
         values = values.tolist()
     elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise InputError(f"version_lags is a {type(values).__name__}: expected B integers >= 0, one per sequence")
-    out = []
+    values = list(values)
+    if set(map(type, values)) <= {int} and (not values or min(values) >= 0):  # the fast path: plain ints
+        return values
+    out = []  # the slow path names the first bad entry
     for i, value in enumerate(values):
         if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
             value = value.item()

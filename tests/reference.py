@@ -194,9 +194,9 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
         put("nonfinite_token_fraction", i, [float(t["nonfinite"]) for t in toks])
 
     gated = batch_level_reference(cfg, sequences, put)
-    if lags is not None:
+    if lags is not None:  # a batch-level value: the mean lag over the sequences
         for i, toks in enumerate(sequences):
-            put("version_lag", i, [float(lags[i])] * len(toks))
+            put("version_lag", i, [sum(lags) / len(lags)] * len(toks))
     if not cfg.use_tis:  # the input mask values, unchanged
         masks = [[t["mask"] for t in toks] for toks in sequences]
         if lags is not None:
