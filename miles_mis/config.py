@@ -359,14 +359,14 @@ KEY_SPECS = (
             "`current_log_probs` (detached); every stage and metric then reads π_θ/π_rollout "
             "([algorithms](algorithms.md#the-current-policy-in-the-weights-tis_policy-current))",
             choices=TIS_POLICIES),
-    KeySpec("tis_upper_bound_by_lag", "list", None, "per-lag upper bounds [U_0, U_1, …]: a sequence `lag` weight "
-            "versions behind is bounded at U_min(lag, last) instead of `tis_upper_bound` (its lower bound, where the "
-            "mode has one: `tis_lower_bound`, else 1/U); needs the host's lags "
-            "([staleness](staleness.md#lag-aware-bounds-and-the-staleness-gate)); not with `tis_upper_bound`",
+    KeySpec("tis_upper_bound_by_lag", "list", None, "per-lag upper bounds [U_0, U_1, …], each ≤ `tis_upper_bound`: "
+            "a sequence `lag` weight versions behind is bounded at U_min(lag, last) instead (the lower bound, where "
+            "the mode has one, stays `tis_lower_bound`); with `use_tis`, needs the host's lags "
+            "([staleness](staleness.md#lag-aware-bounds-and-the-staleness-gate))",
             parser=_as_lag_bounds, allowed="null or a non-increasing list of numbers > 0"),
     KeySpec("rs_max_lag", "count", None, "reject the sequences more than this many weight versions behind the "
             "trainer (a fixed drop, as miles' `--max-weight-staleness`); with `rs_max_lag_k3`, only the lags whose "
-            "measured mismatch is high; needs the host's lags; null = off", parser=_as_max_lag,
+            "measured mismatch is high; with `use_tis`, needs the host's lags; null = off", parser=_as_max_lag,
             allowed="null or an integer ≥ 0"),
     KeySpec("rs_max_lag_k3", "fraction", None, "the staleness gate: with `rs_max_lag`, the sequences of a lag "
             "beyond it are rejected only when that lag's k3 over the micro-batch exceeds this; null = always "

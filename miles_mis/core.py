@@ -145,7 +145,7 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
 def token_upper_bound(batch: PackedBatch, config: MisConfig) -> float | Tensor:
     """The token weights' fixed upper bound: ``tis_upper_bound``, or with ``tis_upper_bound_by_lag`` each token's
     sequence's per-lag bound ([N], ``staleness.seq_upper_bounds``)."""
-    if config.tis_upper_bound_by_lag is None or config.tis_level != "token":
+    if config.tis_upper_bound_by_lag is None or config.tis_level != "token" or not config.use_tis:
         return config.tis_upper_bound
     if batch.lags is None:
         raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none (version_lags, "
@@ -508,7 +508,8 @@ def bound_at_tis_level(state: FinalizeState) -> None:
             if state.batch.lags is None:
                 raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none "
                                  "(version_lags, or weight_versions with current_weight_version; docs/staleness.md)")
-            state.seq_upper = staleness.seq_upper_bounds(config, state.batch.lags, state.stats.device)
+            state.seq_upper = staleness.seq_upper_bounds(config, state.batch.lags, state.stats.device,
+                                                         state.seq_ratio.dtype)
         state.seq_weight, rejected = _bound_seq_ratio(state.seq_values, state.seq_ratio, config, state.seq_upper)
         if rejected is not None:  # mask mode (the others reject nothing)
             state.seq_reject = state.seq_reject | (rejected > 0)

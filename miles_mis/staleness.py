@@ -43,9 +43,10 @@ def require_lags(config: MisConfig, has_lags: bool) -> None:
                          "the few lines a miles or slime host needs)")
 
 
-def seq_upper_bounds(config: MisConfig, lags: Tensor, device) -> Tensor:
-    """[B] float32 upper bound of each sequence: ``tis_upper_bound_by_lag[min(λ_i, last)]``."""
-    bounds = torch.tensor(config.tis_upper_bound_by_lag, dtype=torch.float32, device=device)
+def seq_upper_bounds(config: MisConfig, lags: Tensor, device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[B] upper bound of each sequence: ``tis_upper_bound_by_lag[min(λ_i, last)]``, in the dtype of the ratios it
+    bounds (float32 tokens, float64 sequence ratios: 1.1 in float32 is 1.10000002)."""
+    bounds = torch.tensor(config.tis_upper_bound_by_lag, dtype=dtype, device=device)
     return bounds.index_select(0, lags.to(device).clamp(max=bounds.numel() - 1))
 
 

@@ -71,23 +71,35 @@ def _lag_list(values: Any) -> list[int]:
     return out
 
 
-def _version_number(value: Any) -> int | None:
-    """A version as an int (an int, or a string of digits), None for a non-numeric one ("default")."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    return None
+def _version_number(value: Any, where: str) -> int | None:
+    """A version as an int: an int ≥ 0, a whole float (12.0, as a JSON round trip leaves it), a 0-d integer tensor,
+    or a string of digits; None for a non-numeric string ("default"), which miles skips. Anything else (a negative
+    or fractional number, a bool, another type) is an error naming ``where``."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, str):
+        return int(value.strip()) if value.strip().isdigit() else None
+    number = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    if number is None or number < 0:
+        raise InputError(f"{where}={value!r} is invalid: a weight version is an integer >= 0 or a string of digits "
+                         "(non-numeric strings such as 'default' are skipped)")
+    return number
 
 
 def _lags_of_versions(versions: Any, current: Any) -> list[int]:
     if current is None:
         raise InputError("weight_versions is given without current_weight_version: the lag of a sample is the "
                          f"trainer's version minus the sample's; pass the trainer's version too ({_SEE})")
-    trainer = _version_number(current)
-    if trainer is None or trainer < 0:
+    try:
+        trainer = _version_number(current, "current_weight_version")
+    except InputError:
+        trainer = None
+    if trainer is None:
         raise InputError(f"current_weight_version={current!r} is invalid: allowed values are an integer >= 0 or a "
                          "string of digits (the trainer's weight version)")
     if versions is None:
@@ -99,7 +111,10 @@ def _lags_of_versions(versions: Any, current: Any) -> list[int]:
     out = []
     for i, entry in enumerate(versions):
         calls = entry if isinstance(entry, (list, tuple)) else [entry]
-        numbers_ = [n for n in map(_version_number, calls) if n is not None]
+        try:
+            numbers_ = [n for n in (_version_number(v, f"weight_versions[{i}]") for v in calls) if n is not None]
+        except InputError as error:
+            raise InputError(f"sequence {i}: {error}", i) from None
         if not numbers_:
             raise InputError(f"sequence {i}: weight_versions[{i}]={entry!r} holds no numeric version (miles skips "
                              "non-numeric ones such as 'default'), so its lag is unknown", i)

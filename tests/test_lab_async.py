@@ -112,3 +112,18 @@ def test_dumps_carry_the_lag_and_the_analyzer_reports_by_lag(tmp_path):
 def test_refusals(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_args([*SMALL, *flags])
+
+
+def test_a_stale_run_will_not_resume_from_a_checkpoint_without_snapshots(tmp_path):
+    import torch
+
+    args = parse_args([*SMALL, "--steps", "2", "--out-dir", str(tmp_path / "d"), "--save-interval", "2",
+                       "--rollout-staleness", "4"])
+    train(args)
+    path = tmp_path / "d" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    del state["snapshots"]  # as a checkpoint written before the lab kept them
+    torch.save(state, path)
+    args = parse_args([*SMALL, "--steps", "4", "--out-dir", str(tmp_path / "d"), "--resume", "--rollout-staleness", "4"])
+    with pytest.raises(ValueError, match="holds no weight snapshots"):
+        train(args)

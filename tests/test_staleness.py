@@ -349,3 +349,41 @@ def lag_cp_worker(rank, size):
 @pytest.mark.parametrize("size", [2, 3])
 def test_lags_and_current_policy_under_cp_equal_cp1_and_fail_together(size):
     spawn(lag_cp_worker, size)
+
+
+def test_weight_versions_numbers_and_what_is_skipped():
+    lags = lambda versions, current=13: versions_lags(versions, current)  # noqa: E731
+    assert lags([[12.0, "13"], [torch.tensor(11)], ["default", 13]]) == [1, 2, 0]  # a JSON round trip's 12.0
+    for bad, message in (([[-2]], r"sequence 0: weight_versions\[0\]=-2 is invalid"),
+                         ([["13"], [12.5]], r"sequence 1: weight_versions\[1\]=12.5 is invalid"),
+                         ([[True]], r"sequence 0: weight_versions\[0\]=True is invalid")):
+        with pytest.raises(InputError, match=message):
+            lags(bad)
+
+
+def versions_lags(weight_versions, current):
+    return versions.lags({"weight_versions": weight_versions, "current_weight_version": current},
+                         len(weight_versions)).tolist()
+
+
+def test_lag_keys_do_nothing_in_metrics_only_mode_and_every_entry_point_reads_the_kwargs():
+    train, rollout, masks = random_batch(4, num_seqs=5)
+    for level in ("token", "sequence"):  # metrics-only: no lags needed, the same metrics as without the keys
+        config = MisConfig(use_tis=False, tis_level=level, tis_upper_bound_by_lag=[2.0, 1.5], rs_max_lag=1)
+        got, plain = call(config, train, rollout, masks), call(MisConfig(use_tis=False, tis_level=level), train,
+                                                              rollout, masks)
+        assert sorted(got[2]) == sorted(plain[2]) and all(torch.equal(got[2][k], plain[2][k]) for k in got[2])
+    from miles_mis import compute_mis_weights_fsdp
+
+    config = MisConfig(use_tis=True, tis_policy="current", tis_upper_bound_by_lag=[2.0, 1.2])
+    current = [t + 0.1 for t in train]
+    lags = [0, 1, 2, 0, 3]
+    pg_loss = torch.ones(sum(t.numel() for t in train))
+    fsdp = compute_mis_weights_fsdp(SimpleNamespace(**config.to_dict()), pg_loss=pg_loss, train_log_probs=train,
+                                    rollout_log_probs=rollout, loss_masks=masks, cur_log_probs=current,
+                                    version_lags=lags)
+    with_cp = call(config, train, rollout, masks, cur_log_probs=current, version_lags=lags)
+    weights, _, _ = compute_mis_weights(config, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
+                                        cur_log_probs=current, version_lags=lags)
+    assert torch.equal(fsdp[0], with_cp[0]) and torch.equal(torch.cat(weights), with_cp[0])
+    assert sorted(fsdp[2]) == sorted(with_cp[2])

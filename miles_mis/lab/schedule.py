@@ -66,8 +66,8 @@ def weights_of(policy: Any, snapshots: Snapshots, version: int, current: int) ->
         yield
         return
     own = {name: value.detach().clone() for name, value in policy.state_dict().items()}
-    policy.load_state_dict(snapshots.states[version])
-    try:
+    try:  # a load that fails half-way (a mismatched snapshot) is undone too
+        policy.load_state_dict(snapshots.states[version])
         yield
     finally:
         policy.load_state_dict(own)

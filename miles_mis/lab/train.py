@@ -298,7 +298,10 @@ def resume(run: LabRun, args: argparse.Namespace, checkpoint_path: Path) -> None
         run.prompt_generator.set_state(state["prompts"])
         torch.set_rng_state(state["torch"])
         run.history, run.start_step = list(state["history"]), int(state["step"])
-        if "snapshots" in state:
+        if run.snapshots.keep > 1:  # the versions in use must come back with the run (schedule.py)
+            if "snapshots" not in state:
+                raise ValueError("this checkpoint holds no weight snapshots (it predates them): it cannot resume with "
+                                 "--rollout-staleness > 1 or --async-max-lag, whose samples come from earlier versions")
             run.snapshots.load_state_dict(state["snapshots"])
     except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a file of another shape or model size
         first = " ".join(str(error).split())[:300] or type(error).__name__
