@@ -56,8 +56,9 @@ ALGORITHMS = {
     "fixed_drop": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1}),
     "lag_gate": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1, "rs_max_lag_k3": 0.05}),
 }
-# the real model at its defaults (lr 5e-5, bf16 vLLM): its numerics are as large as a few versions of staleness
-REAL = {"setting": "SmolLM2-135M, mixed lags 0..2", "flags": ["--model", "smollm2-135m", "--async-max-lag", "2"],
+# the real model at the shape of lab_real_model.py's RL runs (32 responses a step, lr 5e-5, bf16 vLLM)
+REAL = {"setting": "SmolLM2-135M, mixed lags 0..2", "flags": ["--model", "smollm2-135m", "--prompts-per-step", "8",
+                                                              "--group-size", "4", "--async-max-lag", "2"],
         "algorithms": ("standard", "decoupled_tis", "fixed_drop"), "steps": 40}
 
 

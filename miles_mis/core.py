@@ -196,7 +196,11 @@ def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
     outside = torch.gt(ratio, terms.upper, out=torch.empty_like(ratio, dtype=torch.float64))
     if config.tis_mode != "truncate":
         outside.add_(torch.lt(ratio, config.tis_lower_bound, out=torch.empty_like(outside)))
-    return outside.mul_(terms.usable)
+    # a token that is not usable has ρ = 1: outside the bound only when 1 is (a bound below 1, a lower one above)
+    lowest = min(config.tis_upper_bound_by_lag or (config.tis_upper_bound,)) if not config.adaptive_bound else 1.0
+    if lowest < 1.0 or (config.tis_mode != "truncate" and config.tis_lower_bound > 1.0):
+        outside.mul_(terms.usable)
+    return outside
 
 
 def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | None = None) -> Tensor:
@@ -574,6 +578,8 @@ def measure_by_lag(state: FinalizeState) -> None:
     if lags is None:
         return
     col = state.col
+    # the mean lag of the sequences (the host's mean over sequences of it is the mean lag of the whole batch)
+    state.batch_metrics["version_lag"] = torch.tensor(state.batch.lag_mean, device=state.stats.device)
     if state.n_pass is None:  # metrics-only
         state.batch_vector = staleness.bucket_metrics(lags, col["n_valid"], col["n_usable"], col["sum_k3"])
         return

@@ -124,11 +124,7 @@ def compute_mis_weights_packed(
         current = versions.current_policy(given)
         versions.require_current(current, "current_log_probs")
         train_log_probs = current.detach() if isinstance(current, Tensor) else current
-    batch = pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
-    lags = versions.lags(given, batch.num_seqs, batch.seq_index.device)
-    staleness.require_lags(config, lags is not None)
-    if lags is not None:
-        batch = dataclasses.replace(batch, lags=lags)
+    batch = _batch_with_lags(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens), config, given)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
@@ -154,14 +150,24 @@ def _policy_log_probs(config: MisConfig, train_log_probs: Any, kwargs: dict) -> 
 def _with_lags(packed: PackedInputs, config: MisConfig, kwargs: dict) -> PackedInputs:
     """``packed`` with each sequence's lag (``miles_mis.versions``) when the host passes them: in the batch, and
     under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence)."""
-    lags = versions.lags(kwargs, packed.batch.num_seqs, packed.batch.seq_index.device)
-    staleness.require_lags(config, lags is not None)
-    if lags is None:
+    batch = _batch_with_lags(packed.batch, config, kwargs)
+    if batch.lags is None:
         return packed
     table = packed.length_table
     if table is not None:
-        table = torch.cat([table, lags.to(table.device, table.dtype)[:, None]], dim=1)
-    return dataclasses.replace(packed, batch=dataclasses.replace(packed.batch, lags=lags), length_table=table)
+        table = torch.cat([table, batch.lags.to(table.device, table.dtype)[:, None]], dim=1)
+    return dataclasses.replace(packed, batch=batch, length_table=table)
+
+
+def _batch_with_lags(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:
+    """``batch`` with the host's lags and their mean (``miles_mis.versions``), or unchanged when it passes none;
+    a config that needs lags without them is an error (``staleness.require_lags``)."""
+    values = versions.lag_list(kwargs, batch.num_seqs)
+    staleness.require_lags(config, values is not None)
+    if values is None:
+        return batch
+    lags = long_tensor(values, batch.seq_index.device)
+    return dataclasses.replace(batch, lags=lags, lag_mean=sum(values) / len(values) if values else 0.0)
 
 
 # --------------------------------------------------------------------------- whole sequences, one process

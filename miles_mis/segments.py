@@ -46,6 +46,7 @@ class PackedBatch:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)  # positions, per_bucket_sum's indices
     # [B] int64 weight versions each sequence is behind the trainer (miles_mis.staleness); None = not given
     lags: Tensor | None = None
+    lag_mean: float = 0.0  # their mean (read from the host's list, without a tensor op)
 
     @property
     def num_seqs(self) -> int:

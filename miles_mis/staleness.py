@@ -74,8 +74,8 @@ def stale_rejections(config: MisConfig, lags: Tensor, sum_k3: Tensor, n_usable: 
 def bucket_metrics(lags: Tensor, n_valid: Tensor, n_usable: Tensor, sum_k3: Tensor,
                    n_bounded: Tensor | None = None, n_pass: Tensor | None = None, sum_w: Tensor | None = None,
                    sum_w_sq: Tensor | None = None) -> tuple[tuple[str, ...], Tensor]:
-    """The batch-level metrics by lag bucket as (names ``lag_<b>_<metric>``, then ``version_lag``; float32 values)
-    from per-sequence [B] quantities; the use_tis ones only when ``n_pass`` is given. One index_add sums every column by bucket, and every
+    """The batch-level metrics by lag bucket as (names ``lag_<b>_<metric>``, float32 values) from per-sequence [B]
+    quantities; the use_tis ones only when ``n_pass`` is given. One index_add sums every column by bucket, and every
     metric is one ratio of the [metrics, 4] numerators and denominators (a denominator is 0 only
     where its numerator is, so the clamp makes an empty bucket 0)."""
     columns = [n_valid, n_usable, sum_k3] + ([] if n_pass is None else [n_bounded, n_pass, sum_w, sum_w_sq])
@@ -87,12 +87,9 @@ def bucket_metrics(lags: Tensor, n_valid: Tensor, n_usable: Tensor, sum_k3: Tens
         bounded, passed, weight, weight_sq = rest
         numerators += [bounded, valid - passed, weight * weight]
         denominators += [valid, valid, valid * weight_sq]
+    # the ESS is ≤ 1 by Cauchy–Schwarz; its float64 rounding (~1e-16) vanishes in the float32 cast
     ratios = torch.stack(numerators) / torch.stack(denominators).clamp(min=1e-30)
-    if n_pass is not None:
-        ratios[-1].clamp_(max=1.0)  # the ESS: ≤ 1 by Cauchy–Schwarz, the clamp absorbs rounding
-    # and the mean lag of the sequences (the host's mean over sequences of it is the mean lag of the whole batch)
-    values = torch.cat([ratios.view(-1), lags.to(table.device, torch.float64).mean().view(1)]).float()
-    return metric_names(n_pass is not None) + ("version_lag",), values
+    return metric_names(n_pass is not None), ratios.view(-1).float()
 
 
 def metric_names(use_tis: bool) -> tuple[str, ...]:

@@ -32,7 +32,14 @@ _SEE = "docs/staleness.md"
 
 
 def lags(kwargs: Mapping[str, Any], num_seqs: int, device: Any = "cpu") -> Tensor | None:
-    """[B] int64 lags from the host's keyword arguments, or None when it passes none."""
+    """[B] int64 lags from the host's keyword arguments, or None when it passes none (``lag_list`` is the same as
+    Python ints)."""
+    values = lag_list(kwargs, num_seqs)
+    return None if values is None else long_tensor(values, device)
+
+
+def lag_list(kwargs: Mapping[str, Any], num_seqs: int) -> list[int] | None:
+    """The lags as Python ints, validated, or None when the host passes none."""
     given, versions, current = (kwargs.get(name) for name in LAG_KWARGS)
     if given is not None and (versions is not None or current is not None):
         raise InputError("version_lags is given with weight_versions/current_weight_version: pass the lags in one "
@@ -46,7 +53,7 @@ def lags(kwargs: Mapping[str, Any], num_seqs: int, device: Any = "cpu") -> Tenso
     if len(values) != num_seqs:
         name = "version_lags" if given is not None else "weight_versions"
         raise InputError(f"{name} has {len(values)} entries but the batch has {num_seqs} sequences: one per sequence")
-    return long_tensor(values, device)
+    return values
 
 
 def _lag_list(values: Any) -> list[int]:
