@@ -30,7 +30,11 @@ AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+                      # in probability space (DPPO, KPop): tv = p_train − p_rollout takes a range [−α, β];
+                      # atv = |p_train − p_rollout| and bkl = KL(Bern(p_rollout) ‖ Bern(p_train)) an upper bound
+                      "token_tv", "seq_mean_tv", "token_atv", "seq_mean_atv", "seq_max_atv",
+                      "token_bkl", "seq_sum_bkl", "seq_mean_bkl", "seq_max_bkl")
 # Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
 RATIO_MIN, RATIO_MAX = math.exp(-20.0), math.exp(20.0)
 
@@ -191,6 +195,25 @@ def _as_range(key: str, value: Any) -> tuple[float, float]:
     return lower, upper
 
 
+def _as_tv_range(key: str, value: Any) -> tuple[float, float]:
+    """A range [−α, β] of p_train − p_rollout (prime-rl's DPPO mask): −1 ≤ −α < 0 < β ≤ 1, as [L, U] or "L_U"."""
+    parts = value.split("_") if isinstance(value, str) else value
+    numbers_ = []
+    if isinstance(parts, (list, tuple)) and len(parts) == 2:
+        for part in parts:
+            try:
+                number = float(part.strip() if isinstance(part, str) else part)
+            except (TypeError, ValueError):
+                break
+            if isinstance(part, bool) or not math.isfinite(number):
+                break
+            numbers_.append(number)
+    if len(numbers_) != 2 or not -1.0 <= numbers_[0] < 0.0 < numbers_[1] <= 1.0:
+        raise ValueError(f"{key}={_shown(value)} is invalid: a tv option takes the range [−α, β] of p_train − "
+                         "p_rollout, e.g. [-0.2, 0.2], with −1 ≤ −α < 0 < β ≤ 1")
+    return numbers_[0], numbers_[1]
+
+
 def _as_optional_range(spec: KeySpec, value: Any) -> tuple[float, float] | None:
     return None if value is None and spec.default is None else _as_range(spec.name, value)
 
@@ -216,10 +239,16 @@ def _as_divergence(spec: KeySpec, value: Any) -> tuple[tuple[str, float | None, 
         key = f"{spec.name}.{option}"
         if option.endswith("_k1"):
             return (option, *_as_range(key, threshold))
+        if option.endswith("_tv"):
+            return (option, *_as_tv_range(key, threshold))
         if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
-            raise ValueError(f"{key}={threshold!r} is invalid: k2/k3 options take one upper bound on the "
-                             "statistic (a positive number), k1 options take a ratio range")
-        return option, None, _as_positive(key, threshold, required=True)
+            raise ValueError(f"{key}={threshold!r} is invalid: k2/k3/atv/bkl options take one upper bound on the "
+                             "statistic (a positive number), k1 options a ratio range, tv options a range [−α, β]")
+        upper = _as_positive(key, threshold, required=True)
+        if option.endswith("_atv") and upper >= 1.0:
+            raise ValueError(f"{key}={threshold!r} is invalid: |p_train − p_rollout| is at most 1, so a bound ≥ 1 "
+                             "rejects nothing; allowed values are in (0, 1)")
+        return option, None, upper
 
     return _named_mapping(spec, value, "option", check,
                           "a mapping from option to threshold, e.g. {seq_mean_k1: [0.999, 1.001], seq_max_k3: 0.5}")
@@ -333,7 +362,8 @@ KEY_SPECS = (
             "spelling); not together with either of them"),
     KeySpec("rs_divergence", "mapping", None, "rejection by divergence statistics "
             "([math](math.md#rejection-by-divergence-statistics-miles_misdivergencepy)): k1 options take a ratio "
-            "range \"L_U\" or [L, U], k2/k3 options an upper bound; all ANDed", choices=DIVERGENCE_OPTIONS,
+            "range \"L_U\" or [L, U], k2/k3/atv/bkl options an upper bound, tv options a range [−α, β] of "
+            "p_train − p_rollout; all ANDed", choices=DIVERGENCE_OPTIONS,
             parser=_as_divergence),
     KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_misgatepy)): "
             "statistics of the whole micro-batch (every CP rank's tokens); when any exceeds its threshold, every "

@@ -134,7 +134,11 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
                       .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
     estimators, kept = {}, {}
     if config.rs_divergence:
-        estimators = divergence.token_estimators(log_ratio)
+        needed = divergence.needed_estimators(config.rs_divergence)
+        rollout = None  # the usable rollout log-probs (0 elsewhere), only for the options in probability space
+        if any(name in divergence.PROBABILITY_ESTIMATORS for name in needed):
+            rollout = torch.nan_to_num(batch.rollout_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
+        estimators = divergence.token_estimators(log_ratio, train, rollout, needed)
         kept = divergence.token_decisions(config.rs_divergence, estimators)
         for keep in kept.values():
             token_pass = token_pass * keep

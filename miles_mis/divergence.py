@@ -12,6 +12,16 @@ An option "<aggregation>_<k>" tests, per token (token) or per sequence (seq_sum:
   k1 bounds; this does not.
 - k2 and k3 options keep aggregated k ≤ threshold.
 
+And in probability space (DPPO, KPop), with p = π_train(t), q = π_rollout(t) of the sampled token, from the
+usable log-probs (p = q = 1 elsewhere, where both are 0), in float64:
+
+    tv_t  = p − q                         (a range [−α, β]: prime-rl's DPPO mask)
+    atv_t = |p − q|                       (an upper bound: DPPO's binary total variation)
+    bkl_t = KL(Bern(q) ‖ Bern(p)) = q log(q/p) + (1 − q) log((1 − q)/(1 − p))    (an upper bound: KPop)
+
+p − q is q·expm1(ℓ) where |ℓ| ≤ 1 (no cancellation when the two nearly agree), 1 − p is −expm1(log p), and
+log(1 − p) is log1mexp(log p) (``log1mexp``), so a token near p = 1 keeps its precision.
+
 All configured options are ANDed with every other stage. Token options act on tokens (locally);
 sequence options reject whole sequences from per-sequence sums/maxima combined over the CP group.
 """
@@ -36,17 +46,68 @@ def split_option(option: str) -> tuple[str, str]:
     return aggregation, estimator
 
 
-def token_estimators(log_ratio: Tensor) -> dict[str, Tensor]:
-    """k1, k2, k3 per token from the clamped ℓ (0 where not usable, where every k is 0); k3 = expm1(c) − c in
-    float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree)."""
+PROBABILITY_ESTIMATORS = ("tv", "atv", "bkl")
+_LOG_TINY = -745.0  # below log of the smallest float64: log(1 − p) at p = 1 stays finite (a large bkl, not inf)
+
+
+def token_estimators(log_ratio: Tensor, train_log_probs: Tensor | None = None,
+                     rollout_log_probs: Tensor | None = None, needed: tuple[str, ...] = ("k1", "k2", "k3")
+                     ) -> dict[str, Tensor]:
+    """The ``needed`` estimators per token: k1, k2, k3 from the clamped ℓ (0 where not usable, where every k is 0);
+    k3 = expm1(c) − c in float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree); tv, atv,
+    bkl from the usable log-probs (0 where not usable, where the core zeroes them: p = q = 1)."""
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return {"k1": -clamped, "k2": clamped.square().mul_(0.5), "k3": ops.k3(clamped, clamped)}
+    out = {}
+    if "k1" in needed:
+        out["k1"] = -clamped
+    if "k2" in needed:
+        out["k2"] = clamped.square().mul_(0.5)
+    if "k3" in needed:
+        out["k3"] = ops.k3(clamped, clamped)
+    if any(name in needed for name in PROBABILITY_ESTIMATORS):
+        out.update(probability_estimators(log_ratio, train_log_probs, rollout_log_probs, needed))
+    return out
+
+
+def log1mexp(log_p: Tensor) -> Tensor:
+    """log(1 − e^x) for x ≤ 0, accurate everywhere: log(−expm1(x)) near 0, log1p(−e^x) below −log 2."""
+    near = log_p > -math.log(2.0)
+    return torch.where(near, torch.log(-torch.expm1(log_p.clamp(max=-1e-300))),
+                       torch.log1p(-torch.exp(log_p.clamp(max=-math.log(2.0)))))
+
+
+def probability_estimators(log_ratio: Tensor, train_log_probs: Tensor, rollout_log_probs: Tensor,
+                           needed: tuple[str, ...]) -> dict[str, Tensor]:
+    """tv, atv, bkl (those ``needed``) per token, float64, from log p (train) and log q (rollout), both ≤ 0."""
+    log_p = train_log_probs.double().clamp(max=0.0)
+    log_q = rollout_log_probs.double().clamp(max=0.0)
+    q = log_q.exp()
+    ell = log_p - log_q
+    # p − q without cancellation where they nearly agree; e^{log p} − e^{log q} is exact enough elsewhere
+    delta = torch.where(ell.abs() <= 1.0, q * torch.expm1(ell.clamp(-1.0, 1.0)), log_p.exp() - q)
+    out = {}
+    if "tv" in needed:
+        out["tv"] = delta
+    if "atv" in needed:
+        out["atv"] = delta.abs()
+    if "bkl" in needed:
+        one_minus_q = -torch.expm1(log_q)
+        tail = one_minus_q * (log1mexp(log_q).clamp(min=_LOG_TINY) - log1mexp(log_p).clamp(min=_LOG_TINY))
+        out["bkl"] = (torch.where(one_minus_q > 0, tail, 0.0) - q * ell).clamp_(min=0.0)  # q log(q/p) = −q ℓ
+    return out
+
+
+def needed_estimators(options) -> tuple[str, ...]:
+    """The estimators the configured options read."""
+    return tuple(dict.fromkeys(split_option(option)[1] for option, _, _ in options))
 
 
 def within(statistic: Tensor, estimator: str, lower: float | None, upper: float) -> Tensor:
     """0/1: the option keeps this value (k1: a ratio range; k2/k3: an upper bound)."""
     if estimator == "k1":  # ratio = exp(−k1) in [L, U]  <=>  −log U ≤ k1 ≤ −log L
         return indicator(torch.ge, statistic, -math.log(upper)).mul_(indicator(torch.le, statistic, -math.log(lower)))
+    if estimator == "tv":  # p − q in [−α, β]
+        return indicator(torch.ge, statistic, lower).mul_(indicator(torch.le, statistic, upper))
     return indicator(torch.le, statistic, upper)
 
 

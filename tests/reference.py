@@ -61,15 +61,21 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
     return {f"{prefix}{mode}_fraction_low": float(rho < lower), f"{prefix}{mode}_fraction_high": float(rho > upper)}
 
 
-def _estimators(ell: float) -> dict[str, float]:
-    c = _clamp(ell)
-    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c)}
+def _estimators(t) -> dict[str, float]:
+    """Every estimator of a usable token: k1, k2, k3 of its clamped log ratio, and with p = π_train, q = π_rollout
+    of the sampled token: tv = p − q, atv = |p − q|, bkl = KL(Bern(q) ‖ Bern(p)) (p = q = 1 if not usable)."""
+    c = _clamp(t["ell"])
+    p, q = math.exp(min(t["train"], 0.0)), math.exp(min(t["rollout"], 0.0))
+    bkl = q * math.log(q / p) + ((1 - q) * math.log((1 - q) / (1 - p)) if q < 1 else 0.0)
+    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q), "bkl": max(bkl, 0.0)}
 
 
 def _keeps(estimator: str, value: float, lower, upper) -> bool:
     if estimator == "k1":  # the ratio exp(-k1) must lie in [lower, upper]: compared in log space, since
         # a seq_sum k1 beyond ±709 would overflow exp (−log U ≤ k1 ≤ −log L)
         return -math.log(upper) <= value <= -math.log(lower)
+    if estimator == "tv":  # p − q in [−α, β]
+        return lower <= value <= upper
     return value <= upper
 
 
@@ -83,7 +89,7 @@ def divergence_reference(cfg, sequences, put):
         name = f"rs_{option}"
         values_per_seq = []
         for i, toks in enumerate(sequences):
-            ks = [_estimators(t["ell"])[estimator] if t["usable"] else 0.0 for t in toks]
+            ks = [_estimators(t)[estimator] if t["usable"] else 0.0 for t in toks]
             usable = [k for k, t in zip(ks, toks) if t["usable"]]
             if aggregation == "token":
                 rejected = [t["usable"] and not _keeps(estimator, k, lower, upper) for k, t in zip(ks, toks)]

@@ -30,7 +30,10 @@ def all_configs():
     # divergence rejection, the sequence options above all (their statistics cross the CP ranks)
     for option, threshold in (("seq_sum_k1", [0.6, 1.6]), ("seq_mean_k1", [0.95, 1.05]), ("seq_sum_k2", 0.1),
                               ("seq_mean_k2", 0.01), ("seq_sum_k3", 0.1), ("seq_mean_k3", 0.01), ("seq_max_k2", 0.05),
-                              ("seq_max_k3", 0.05), ("token_k1", [0.8, 1.25]), ("token_k3", 0.02)):
+                              ("seq_max_k3", 0.05), ("token_k1", [0.8, 1.25]), ("token_k3", 0.02),
+                              # in probability space: their per-sequence sums and maxima cross the ranks too
+                              ("seq_mean_tv", [-0.01, 0.01]), ("seq_max_bkl", 0.02), ("seq_sum_bkl", 0.05),
+                              ("token_atv", 0.05), ("token_tv", [-0.05, 0.04])):
         yield MisConfig(use_tis=True, tis_level="geometric", tis_lower_bound=0.93, tis_upper_bound=1.07,
                         tis_batch_normalize=True, rs_veto_threshold=0.75, rs_divergence={option: threshold})
     yield MisConfig(use_tis=True, use_rs=True, rs_divergence={"token_k2": 0.02, "seq_mean_k1": "0.95_1.05",

@@ -132,11 +132,17 @@ def test_preset_contents_and_unknown_name():
         MisConfig.preset("geo")
 
 
-DIVERGENCE_CONFIGS = [
-    {option: ([0.8, 1.25] if option.startswith("token") else [0.6, 1.6] if "sum" in option else [0.95, 1.05])
-     if option.endswith("k1") else (0.02 if option.startswith("token") or "mean" in option else 0.1)}
-    for option in DIVERGENCE_OPTIONS
-] + [{"token_k3": 0.02, "seq_mean_k1": [0.95, 1.05], "seq_max_k2": 0.05}]
+def _threshold(option):
+    """A threshold that makes the option bite on part of these batches."""
+    if option.endswith("k1"):
+        return [0.8, 1.25] if option.startswith("token") else [0.6, 1.6] if "sum" in option else [0.95, 1.05]
+    if option.endswith("_tv"):  # p − q in [−α, β]
+        return [-0.05, 0.04] if option.startswith("token") else [-0.01, 0.01]
+    return 0.02 if option.startswith("token") or "mean" in option else 0.1
+
+
+DIVERGENCE_CONFIGS = [{option: _threshold(option)} for option in DIVERGENCE_OPTIONS]
+DIVERGENCE_CONFIGS += [{"token_k3": 0.02, "seq_mean_k1": [0.95, 1.05], "seq_max_k2": 0.05}]
 
 
 @pytest.mark.parametrize("divergence", DIVERGENCE_CONFIGS, ids=lambda d: "+".join(d))
@@ -157,3 +163,70 @@ def test_preset_use_tis_and_exclusive_bounds_spelling(tmp_path):
     path.write_text("tis_bounds: [0.5, 4]\ntis_upper_bound: 2.0\n")
     with pytest.raises(ValueError, match="either tis_bounds or the two bounds"):
         MisConfig.from_yaml(path)
+
+
+# --------------------------------------------------------------------------- in probability space (DPPO, KPop)
+PROBABILITY_OPTIONS = [
+    {"token_tv": [-0.05, 0.04]}, {"seq_mean_tv": [-0.01, 0.01]}, {"token_atv": 0.05}, {"seq_mean_atv": 0.02},
+    {"seq_max_atv": 0.1}, {"token_bkl": 0.01}, {"seq_sum_bkl": 0.05}, {"seq_mean_bkl": 0.005}, {"seq_max_bkl": 0.02},
+    {"token_atv": 0.05, "seq_mean_k1": [0.97, 1.03], "seq_max_bkl": 0.05},
+]
+
+
+@pytest.mark.parametrize("options", PROBABILITY_OPTIONS, ids=lambda o: "+".join(o))
+def test_probability_space_options_match_the_reference(options):
+    from test_reference_equivalence import assert_matches_reference
+
+    for seed in range(3):
+        train, rollout, masks = random_batch(seed, noise=0.3, nonfinite=seed == 2)
+        assert_matches_reference(MisConfig(use_tis=True, rs_divergence=options), train, rollout, masks)
+
+
+def test_binary_tv_and_kl_hand_case_where_a_ratio_mask_disagrees():
+    """p = 1e-3 against q = 1e-4 is a ratio of 10 but moves 9e-4 of probability; 0.99 against 0.60 is a ratio of
+    1.65 but moves 0.39. A ratio mask [0.5, 2] rejects the first and keeps the second; |p − q| ≤ 0.1 the reverse."""
+    train = [torch.tensor([math.log(1e-3), math.log(0.99)])]
+    rollout = [torch.tensor([math.log(1e-4), math.log(0.60)])]
+    masks = [torch.ones(2)]
+    ratio = MisConfig(use_tis=True, rs_divergence={"token_k1": [0.5, 2.0]})
+    tv = MisConfig(use_tis=True, rs_divergence={"token_atv": 0.1})
+    assert compute_mis_weights(ratio, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)[1][0].tolist() \
+        == [0.0, 1.0]
+    _, kept, metrics = compute_mis_weights(tv, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+    assert kept[0].tolist() == [1.0, 0.0]
+    assert metrics["mis_rs_token_atv_mean"][0].tolist() == pytest.approx([9e-4, 0.39], rel=1e-5)
+    bkl = MisConfig(use_tis=True, rs_divergence={"token_bkl": 0.01})
+    _, kept, metrics = compute_mis_weights(bkl, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+    q_log = lambda p, q: q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))  # noqa: E731
+    assert metrics["mis_rs_token_bkl_mean"][0].tolist() == pytest.approx([q_log(1e-3, 1e-4), q_log(0.99, 0.6)],
+                                                                         rel=1e-5)
+    assert kept[0].tolist() == [1.0, 0.0]
+
+
+def test_probability_estimators_are_precise_near_one_and_never_nan():
+    from miles_mis.divergence import probability_estimators
+
+    log_p = torch.tensor([-1e-12, 0.0, 0.0, -1e-3, math.log(1e-30)], dtype=torch.float64)
+    log_q = torch.tensor([-2e-12, 0.0, -0.1, -1e-3, math.log(2e-30)], dtype=torch.float64)
+    values = probability_estimators(log_p - log_q, log_p, log_q, ("tv", "atv", "bkl"))
+    assert all(bool(torch.isfinite(v).all()) for v in values.values())
+    assert values["tv"][0].item() == pytest.approx(1e-12, rel=1e-6)  # no cancellation in p − q
+    assert values["bkl"][1].item() == 0.0 and values["bkl"][3].item() == 0.0  # p = q
+    assert values["bkl"][2].item() > 10  # p = 1 > q: KL is infinite, reported large and finite
+    # KL(Bern(q) ‖ Bern(p)) ≈ (p − q)² / (2 q (1 − q)) for p ≈ q: here with q = 1 − 2e-12 the formula's 1 − q
+    # comes from expm1, not from 1 − q in float64
+    q, p = 1 - 2e-12, 1 - 1e-12
+    assert values["bkl"][0].item() == pytest.approx((p - q) ** 2 / (2 * q * (1 - q)), rel=1e-3)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"token_tv": 0.2}, "a tv option takes the range"),
+    ({"token_tv": [0.1, 0.2]}, "a tv option takes the range"),
+    ({"token_tv": [-1.5, 0.2]}, "a tv option takes the range"),
+    ({"token_atv": 1.0}, "|p_train − p_rollout| is at most 1"),
+    ({"token_bkl": [0.1, 0.2]}, "take one upper bound"),
+    ({"seq_sum_tv": [-0.1, 0.1]}, "unknown option 'seq_sum_tv'"),
+])
+def test_probability_space_options_are_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        MisConfig(rs_divergence=options)
