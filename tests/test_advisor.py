@@ -105,7 +105,9 @@ def test_metrics_only_is_the_uncorrected_baseline_and_no_advantages_give_none():
     token("truncate", None, 2.0), token("icepop", 0.5, 2.0),
     MisConfig.preset("mis", use_tis=True), MisConfig.preset("geo_rs", use_tis=True),
     MisConfig.preset("seq_tis", use_tis=True), MisConfig.preset("metrics_only", use_tis=True),
-], ids=["token-truncate", "token-icepop", "mis", "geo_rs", "seq_tis", "metrics_only"])
+    MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_tv": [-0.2, 0.2]}),
+    MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_bkl": 0.01}),
+], ids=["token-truncate", "token-icepop", "mis", "geo_rs", "seq_tis", "metrics_only", "binary-tv", "binary-kl"])
 def test_numbers_are_those_of_compute_mis_weights(config):
     """The evaluator runs the plugin's steps itself; the numbers must be the public API's."""
     old, rollout, masks = random_batch(3, num_seqs=16, noise=0.4 if config.tis_level == "token" else 0.002,
@@ -208,6 +210,11 @@ def test_grid_from_quantiles():
     assert grid["token_truncate_q0.999"].tis_upper_bound == math.exp(0.5)
     assert grid["token_truncate_q0.99"].tis_upper_bound == math.exp(0.2)
     assert grid["preset:mis"] == MisConfig.preset("mis", use_tis=True)
+    # token truncation with a token mask in probability space (DPPO's binary TV, |p − q|, the binary KL)
+    assert grid["token_truncate_U2_tv0.2"].rs_divergence == (("token_tv", -0.2, 0.2),)
+    assert grid["token_truncate_U2_atv0.05"].rs_divergence == (("token_atv", None, 0.05),)
+    assert grid["token_truncate_U2_bkl0.01"].rs_divergence == (("token_bkl", None, 0.01),)
+    assert grid["token_truncate_U2_bkl0.01"].tis_upper_bound == 2.0
 
 
 def test_grid_skips_missing_and_invalid_quantiles():

@@ -34,7 +34,8 @@ IcePop modes; the usual constant bounds (token [0.5, 2] and U = 2, sequence [0.5
 (ratio bound exp(q) inside [e^-20, e^20]; two-sided q0.01–q0.99 and q0.001–q0.999 at token level only, since
 they are quantiles of token ratios,
 truncation at q0.99 and q0.999 when exp(q) > 1: truncating at U ≤ 1 would bound the typical token); veto
-variants (1e-4, 1e-6) of the main families; every shipped preset (``preset:<name>``, ``use_tis`` on unless the
+variants (1e-4, 1e-6) of the main families; token truncation at U = 2 with a token mask in probability space
+(binary TV p − q in [−0.2, 0.2] as prime-rl writes DPPO's, |p − q| ≤ 0.05, binary KL ≤ 0.01); every shipped preset (``preset:<name>``, ``use_tis`` on unless the
 preset sets it, so ``preset:metrics_only`` is the uncorrected baseline).
 
 The recommendation (``recommend``) follows stated rules, heuristics and not a guarantee:
@@ -94,6 +95,10 @@ _QUANTILE_PAIRS = (("0.01", "0.99"), ("0.001", "0.999"))  # two-sided bounds fro
 _QUANTILE_UPPERS = ("0.99", "0.999")  # truncation bounds from the dump's upper quantiles of ℓ
 _QUANTILE_FAMILIES = (("token", "mask"), ("token", "icepop"))  # token quantiles bound token ratios only
 _VETO_BASES = ("token_truncate_U2", "token_mask_0.5_2", "token_icepop_0.5_2", "geometric_mask_0.999_1.001")
+# token truncation at U = 2 plus a token mask in probability space (divergence.py): DPPO's binary TV as prime-rl
+# writes it, a tighter |p − q|, and the binary KL
+_PROBABILITY_MASKS = (("tv0.2", {"token_tv": [-0.2, 0.2]}), ("atv0.05", {"token_atv": 0.05}),
+                      ("bkl0.01", {"token_bkl": 0.01}))
 
 
 # ---------------------------------------------------------------------------------------------- the grid
@@ -118,6 +123,10 @@ def candidate_grid(statistics: dict | None = None) -> dict[str, MisConfig]:
             if base in grid:
                 _add_config(grid, f"{base}_veto{_short(veto)}",
                             lambda: dataclasses.replace(grid[base], rs_veto_threshold=veto))
+    for suffix, options in _PROBABILITY_MASKS:
+        if "token_truncate_U2" in grid:
+            _add_config(grid, f"token_truncate_U2_{suffix}",
+                        lambda: dataclasses.replace(grid["token_truncate_U2"], rs_divergence=options))
     for preset in preset_files():
         _add_config(grid, f"preset:{preset}", lambda: MisConfig.preset(preset, use_tis=True))
     return grid
