@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import math
 import os
 import statistics
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import yaml
+from lab_sweep import append_as_they_finish, read_results  # the same results file format and progress lines
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 BASE = ["--rollout-dtype", "bf16", "--lr", "3e-3"]
@@ -95,12 +95,6 @@ def run_one(setting: str, flags: list[str], algorithm: str, seed: int, steps: in
                mean_lag=mean(history, "mean_lag"), kept_token_fraction=statistics.mean(kept),
                min_raw_ess=min(r["raw_ess"] for r in history))
     return row
-
-
-def read_results(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _mean_std(values: list[float]) -> str:
@@ -176,14 +170,9 @@ def main() -> None:
             futures = [pool.submit(run_one, setting, flags, a, s, steps,
                                    str(args.out_dir / setting.replace(" ", "_").replace(",", "") / a / f"seed{s}"))
                        for setting, flags, a, s, steps in todo]
-            for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                row = future.result()
-                with open(args.results, "a") as out:
-                    out.write(json.dumps(row) + "\n")
-                elapsed = time.perf_counter() - started
-                print(f"[{count}/{len(todo)}] {row['setting']} | {row['algorithm']} | seed {row['seed']}: final reward "
-                      f"{row.get('final_reward', math.nan):.3f} ({row['seconds']:.0f} s; "
-                      f"{elapsed / count * (len(todo) - count) / 60:.0f} min left)", file=sys.stderr, flush=True)
+            append_as_they_finish(futures, args.results, lambda row: (
+                f"{row['setting']} | {row['algorithm']} | seed {row['seed']}: final reward "
+                f"{row.get('final_reward', math.nan):.3f}"), started)
     rows = read_results(args.results)
     settings = list(SCHEDULES) + [REAL["setting"]]
     print(decomposition_table(rows, settings) + "\n\n" + reward_table(rows, settings, list(ALGORITHMS)))

@@ -99,6 +99,18 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def append_as_they_finish(futures, results: Path, describe, started: float) -> None:
+    """Each finished run's row appended to ``results`` as it ends (an interrupted sweep keeps what it finished),
+    with a progress line ``[done/total] describe(row) (seconds; minutes left)``; ``started``: the sweep's start."""
+    for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
+        row = future.result()
+        with open(results, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        elapsed = time.perf_counter() - started
+        print(f"[{count}/{len(futures)}] {describe(row)} ({row['seconds']:.0f} s; "
+              f"{elapsed / count * (len(futures) - count) / 60:.0f} min left)", file=sys.stderr, flush=True)
+
+
 def table(rows: list[dict], algorithms: list[str]) -> str:
     """Markdown: per mechanism and algorithm, final reward mean ± std over seeds, collapses, raw mismatch."""
     lines = ["| mechanism | algorithm | seeds | final reward | Δ vs first 10 steps | exact match | collapsed | "
@@ -191,15 +203,9 @@ def main() -> None:
             futures = {pool.submit(run_one, m, a, s, args.steps,
                                    str(args.out_dir / m.replace(" ", "_").replace(",", "") / a / f"seed{s}")): (m, a, s)
                        for m, a, s in todo}
-            for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                row = future.result()
-                with open(args.results, "a") as out:
-                    out.write(json.dumps(row) + "\n")
-                elapsed = time.perf_counter() - started
-                print(f"[{count}/{len(todo)}] {row['mechanism']} | {row['algorithm']} | seed {row['seed']}: "
-                      f"final reward {row.get('final_reward', float('nan')):.3f}"
-                      f"{' COLLAPSED' if row['collapsed'] else ''} ({row['seconds']:.0f} s; "
-                      f"{elapsed / count * (len(todo) - count) / 60:.0f} min left)", file=sys.stderr, flush=True)
+            append_as_they_finish(futures, args.results, lambda row: (
+                f"{row['mechanism']} | {row['algorithm']} | seed {row['seed']}: final reward "
+                f"{row.get('final_reward', float('nan')):.3f}{' COLLAPSED' if row['collapsed'] else ''}"), started)
     rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
     print(summary(rows) + "\n\n" + table(rows, args.algorithms))
 

@@ -151,10 +151,8 @@ def token_upper_bound(batch: PackedBatch, config: MisConfig) -> float | Tensor:
     sequence's per-lag bound ([N], ``staleness.seq_upper_bounds``)."""
     if config.tis_upper_bound_by_lag is None or config.tis_level != "token" or not config.use_tis:
         return config.tis_upper_bound
-    if batch.lags is None:
-        raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none (version_lags, "
-                         "or weight_versions with current_weight_version; docs/staleness.md)")
-    return staleness.seq_upper_bounds(config, batch.lags, batch.seq_index.device).index_select(0, batch.seq_index)
+    lags = staleness.lags_for(config, batch.lags)
+    return staleness.seq_upper_bounds(config, lags, batch.seq_index.device).index_select(0, batch.seq_index)
 
 
 def rejects_tokens(config: MisConfig) -> bool:
@@ -513,11 +511,8 @@ def bound_at_tis_level(state: FinalizeState) -> None:
     if not config.adaptive_bound:
         state.seq_upper = config.tis_upper_bound
         if config.tis_upper_bound_by_lag is not None:
-            if state.batch.lags is None:
-                raise ValueError("tis_upper_bound_by_lag needs each sequence's lag: the host passes none "
-                                 "(version_lags, or weight_versions with current_weight_version; docs/staleness.md)")
-            state.seq_upper = staleness.seq_upper_bounds(config, state.batch.lags, state.stats.device,
-                                                         state.seq_ratio.dtype)
+            state.seq_upper = staleness.seq_upper_bounds(config, staleness.lags_for(config, state.batch.lags),
+                                                         state.stats.device, state.seq_ratio.dtype)
         state.seq_weight, rejected = _bound_seq_ratio(state.seq_values, state.seq_ratio, config, state.seq_upper)
         if rejected is not None:  # mask mode (the others reject nothing)
             state.seq_reject = state.seq_reject | (rejected > 0)
@@ -563,10 +558,8 @@ def reject_stale_sequences(state: FinalizeState) -> None:
     """
     if state.config.rs_max_lag is None:
         return
-    if state.batch.lags is None:
-        raise ValueError("rs_max_lag needs each sequence's lag: the host passes none (version_lags, or "
-                         "weight_versions with current_weight_version; docs/staleness.md)")
-    stale = staleness.stale_rejections(state.config, state.batch.lags, state.col["sum_k3"], state.col["n_usable"])
+    stale = staleness.stale_rejections(state.config, staleness.lags_for(state.config, state.batch.lags),
+                                       state.col["sum_k3"], state.col["n_usable"])
     state.seq_values["rs_stale_seq_fraction"] = stale.float()
     state.seq_reject = state.seq_reject | stale
 

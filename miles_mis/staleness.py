@@ -43,6 +43,12 @@ def require_lags(config: MisConfig, has_lags: bool) -> None:
                          "the few lines a miles or slime host needs)")
 
 
+def lags_for(config: MisConfig, lags: Tensor | None) -> Tensor:
+    """``lags``, for a stage that acts on them; without them the error of ``require_lags``."""
+    require_lags(config, lags is not None)
+    return lags
+
+
 def seq_upper_bounds(config: MisConfig, lags: Tensor, device, dtype: torch.dtype = torch.float32) -> Tensor:
     """[B] upper bound of each sequence: ``tis_upper_bound_by_lag[min(λ_i, last)]``, in the dtype of the ratios it
     bounds (float32 tokens, float64 sequence ratios: 1.1 in float32 is 1.10000002)."""

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..core import LOG_PROB_BOUND
 from ..ops import LOG_RATIO_CLAMP
 from ..staleness import BUCKETS as LAG_BUCKETS
+from ..staleness import bucket_of
 from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
 
@@ -139,7 +140,7 @@ class StatisticsAccumulator:
         if bool(known.any()):
             lags = torch.tensor([lag if lag is not None else 0 for lag in batch.lags], dtype=torch.long)
             sum_abs = torch.zeros(num_seqs, dtype=torch.float64).index_add_(0, seq, abs_ell)
-            self.by_lag.index_add_(0, lags[known].clamp(max=len(LAG_BUCKETS) - 1), torch.stack(
+            self.by_lag.index_add_(0, bucket_of(lags[known]), torch.stack(
                 [torch.ones(num_seqs, dtype=torch.float64), n_usable, sum_k3, sum_k1, sum_abs], 1)[known])
 
         calls = torch.tensor(batch.calls, dtype=torch.long)
@@ -174,6 +175,7 @@ class StatisticsAccumulator:
         mean = (lambda total: total / usable if usable else None)  # noqa: E731
         fraction = (lambda count: count / valid if valid else 0.0)  # noqa: E731
         by_call = self._by_call()
+        by_lag = _lag_rows(self.by_lag)
         return {
             "files": self.files, "calls": len(self.by_call), "sequences": int(t["sequences"]), "tokens": int(valid),
             "usable_tokens": int(usable),
@@ -192,8 +194,8 @@ class StatisticsAccumulator:
             "by_rollout_prob": _prob_rows(self.by_prob),
             "by_length": _length_rows(self.by_length),
             "by_call": by_call,
-            "by_lag": _lag_rows(self.by_lag),
-            "lag_attribution": lag_attribution(_lag_rows(self.by_lag)),
+            "by_lag": by_lag,
+            "lag_attribution": lag_attribution(by_lag),
             "trend": _trend(by_call),
             "histogram": {"edges": list(HISTOGRAM_EDGES), "counts": [int(c) for c in self.histogram.tolist()]},
             "quantiles": _quantiles(self.histogram),

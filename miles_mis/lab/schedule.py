@@ -26,9 +26,8 @@ import torch
 from torch import Tensor
 
 from ..analyze.estimators import k3_terms
-from ..staleness import BUCKETS
-
-LAG_BUCKETS = BUCKETS  # 0, 1, 2, 3plus: the plugin's buckets
+from ..ops import LOG_RATIO_CLAMP
+from ..staleness import BUCKETS, bucket_of  # 0, 1, 2, 3plus: the plugin's lag buckets
 
 
 def group_versions(step: int, num_samples: int, group_size: int, rollout_staleness: int, async_max_lag: int) -> list[int]:
@@ -36,6 +35,14 @@ def group_versions(step: int, num_samples: int, group_size: int, rollout_stalene
     if async_max_lag:
         return [max(step - (i // group_size) % (async_max_lag + 1), 0) for i in range(num_samples)]
     return [step - step % rollout_staleness] * num_samples
+
+
+def by_version(versions: list[int]) -> dict[int, list[int]]:
+    """Version -> the indices of the samples it generated, in increasing version order."""
+    groups: dict[int, list[int]] = {}
+    for index, version in enumerate(versions):
+        groups.setdefault(version, []).append(index)
+    return dict(sorted(groups.items()))
 
 
 class Snapshots:
@@ -90,10 +97,11 @@ def decompose(old: list[Tensor], at_version: list[Tensor], rollout: list[Tensor]
     lag_of_token = torch.repeat_interleave(torch.tensor(lags), torch.tensor([t.numel() for t in old]))
     parts = {"raw": k3_terms(a + b), "stale": k3_terms(a), "numerics": k3_terms(b)}
     row = {"stale_k3": float(parts["stale"].mean()), "numerics_k3": float(parts["numerics"].mean())}
-    row["cross_k3"] = float((torch.expm1(a.clamp(-20, 20)) * torch.expm1(b.clamp(-20, 20))).mean())
+    clamp = lambda x: x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # noqa: E731
+    row["cross_k3"] = float((torch.expm1(clamp(a)) * torch.expm1(clamp(b))).mean())
     row["mean_lag"] = sum(lags) / len(lags)
-    bucket = lag_of_token.clamp(max=len(LAG_BUCKETS) - 1)
-    for index, name in enumerate(LAG_BUCKETS):
+    bucket = bucket_of(lag_of_token)
+    for index, name in enumerate(BUCKETS):
         mine = bucket == index
         count = int(mine.sum())
         row[f"lag_{name}_token_fraction"] = count / bucket.numel()

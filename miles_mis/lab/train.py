@@ -351,8 +351,7 @@ def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, version
         return run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
     responses: list = [None] * len(versions)
     log_probs: list = [None] * len(versions)
-    for version in sorted(set(versions)):
-        indices = [i for i, v in enumerate(versions) if v == version]
+    for version, indices in schedule.by_version(versions).items():
         tokens = (prompts.tokens[torch.tensor(indices)] if isinstance(prompts.tokens, torch.Tensor)
                   else [prompts.tokens[i] for i in indices])
         with schedule.weights_of(run.policy, run.snapshots, version, step):
@@ -367,8 +366,9 @@ def _scored_at_versions(run: LabRun, step: int, rollout: Rollout, versions: list
     """π_trainer(v) of every sample: the trainer's log-probs with the weights that generated it (π_old itself for
     the samples of the current version)."""
     scored = list(rollout.old_log_probs)
-    for version in sorted(set(versions) - {step}):
-        indices = [i for i, v in enumerate(versions) if v == version]
+    for version, indices in schedule.by_version(versions).items():
+        if version == step:
+            continue
         routing = None if rollout.routing is None else [rollout.routing[i] for i in indices]
         with schedule.weights_of(run.policy, run.snapshots, version, step), torch.no_grad():
             values, _ = run.policy.old_log_probs([rollout.sequences[i] for i in indices],
