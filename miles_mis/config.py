@@ -34,7 +34,10 @@ DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       # in probability space (DPPO, KPop): tv = p_train − p_rollout takes a range [−α, β];
                       # atv = |p_train − p_rollout| and bkl = KL(Bern(p_rollout) ‖ Bern(p_train)) an upper bound
                       "token_tv", "seq_mean_tv", "token_atv", "seq_mean_atv", "seq_max_atv",
-                      "token_bkl", "seq_sum_bkl", "seq_mean_bkl", "seq_max_bkl")
+                      "token_bkl", "seq_sum_bkl", "seq_mean_bkl", "seq_max_bkl",
+                      # directional (DPPO's token rule, VACO's sequence rule; they read the host's advantages): a
+                      # token is rejected only when its update, sign(A_t), moves p_train further from p_rollout
+                      "token_dtv", "token_dbkl", "seq_mean_datv", "seq_mean_dbkl")
 # Ratios are exp(clamp(log ratio, ±20)): a bound outside [e^-20, e^20] could never act, so it is refused.
 RATIO_MIN, RATIO_MAX = math.exp(-20.0), math.exp(20.0)
 
@@ -239,13 +242,13 @@ def _as_divergence(spec: KeySpec, value: Any) -> tuple[tuple[str, float | None, 
         key = f"{spec.name}.{option}"
         if option.endswith("_k1"):
             return (option, *_as_range(key, threshold))
-        if option.endswith("_tv"):
+        if option.endswith(("_tv", "_dtv")):
             return (option, *_as_tv_range(key, threshold))
         if isinstance(threshold, (list, tuple)) or (isinstance(threshold, str) and "_" in threshold):
             raise ValueError(f"{key}={threshold!r} is invalid: k2/k3/atv/bkl options take one upper bound on the "
                              "statistic (a positive number), k1 options a ratio range, tv options a range [−α, β]")
         upper = _as_positive(key, threshold, required=True)
-        if option.endswith("_atv") and upper >= 1.0:
+        if option.endswith(("_atv", "_datv")) and upper >= 1.0:
             raise ValueError(f"{key}={threshold!r} is invalid: |p_train − p_rollout| is at most 1, so a bound ≥ 1 "
                              "rejects nothing; allowed values are in (0, 1)")
         return option, None, upper
@@ -363,7 +366,8 @@ KEY_SPECS = (
     KeySpec("rs_divergence", "mapping", None, "rejection by divergence statistics "
             "([math](math.md#rejection-by-divergence-statistics-miles_misdivergencepy)): k1 options take a ratio "
             "range \"L_U\" or [L, U], k2/k3/atv/bkl options an upper bound, tv options a range [−α, β] of "
-            "p_train − p_rollout; all ANDed", choices=DIVERGENCE_OPTIONS,
+            "p_train − p_rollout; all ANDed. The directional ones (dtv, dbkl, datv) need the host's `advantages` "
+            "([math](math.md#directional-trust-regions-dppo-vaco))", choices=DIVERGENCE_OPTIONS,
             parser=_as_divergence),
     KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_misgatepy)): "
             "statistics of the whole micro-batch (every CP rank's tokens); when any exceeds its threshold, every "

@@ -89,6 +89,7 @@ class TokenTerms:
     estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
     divergence_kept: dict  # token option -> 0/1 kept by that option
     upper: float | Tensor  # the token weights' upper bound: a number, [N] per-lag bounds, or the adaptive 0-d one
+    moving_out: Tensor | None = None  # 0/1 A_t·ℓ_t > 0 (divergence.moving_out), with a directional option only
 
     def bounded(self, upper: Tensor) -> "TokenTerms":
         """These terms with the token weights truncated at ``upper`` (the adaptive bound, known only once the
@@ -132,18 +133,22 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
     if config.use_rs and config.rs_level == "token":
         token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
                       .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
-    estimators, kept = {}, {}
+    estimators, kept, out = {}, {}, None
     if config.rs_divergence:
         needed = divergence.needed_estimators(config.rs_divergence)
         rollout = None  # the usable rollout log-probs (0 elsewhere), only for the options in probability space
         if any(name in divergence.PROBABILITY_ESTIMATORS for name in needed):
             rollout = torch.nan_to_num(batch.rollout_log_probs, nan=0.0, posinf=0.0, neginf=0.0).mul_(usable)
         estimators = divergence.token_estimators(log_ratio, train, rollout, needed)
-        kept = divergence.token_decisions(config.rs_divergence, estimators)
+        if config.use_tis and divergence.needs_advantages(config.rs_divergence):
+            if batch.advantage_signs is None:  # the entry points refuse it earlier, naming the option (advantages.py)
+                raise ValueError("a directional rs_divergence option needs the batch's advantages")
+            out = divergence.moving_out(log_ratio, batch.advantage_signs)
+        kept = divergence.token_decisions(config.rs_divergence, estimators, out)
         for keep in kept.values():
             token_pass = token_pass * keep
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
-                      token_weight, estimators, kept, upper)
+                      token_weight, estimators, kept, upper, out)
 
 
 def token_upper_bound(batch: PackedBatch, config: MisConfig) -> float | Tensor:
@@ -160,12 +165,17 @@ def rejects_tokens(config: MisConfig) -> bool:
     RS, or a token divergence option. Only then do CP ranks exchange their token rejections."""
     return config.use_tis and ((config.tis_level == "token" and config.tis_mode == "mask")
                                or (config.use_rs and config.rs_level == "token")
-                               or any(option.startswith("token_") for option, _, _ in config.rs_divergence))
+                               or any(option.startswith("token_") for option, _, _ in config.rs_divergence)
+                               or divergence.gates_sequences(config.rs_divergence))
 
 
-def token_rejections(terms: TokenTerms) -> Tensor:
-    """[N] float 0/1: usable tokens removed by a token-level stage (the rest of token_pass is ``usable``)."""
-    return terms.usable - terms.token_pass
+def token_rejections(terms: TokenTerms, config: MisConfig) -> Tensor:
+    """[N] float 0/1: usable tokens removed by a token-level stage (the rest of token_pass is ``usable``); with a
+    directional sequence option [2, N]: those, and the passing tokens a fired gate would remove (``moving_out``)."""
+    rejected = terms.usable - terms.token_pass
+    if config.use_tis and divergence.gates_sequences(config.rs_divergence):
+        return torch.stack([rejected, terms.moving_out * terms.token_pass])
+    return rejected
 
 
 # --------------------------------------------------------------------------- stage 2: per-sequence table
@@ -232,9 +242,12 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
                if config is not None and _counts_bounded(config, batch.lags is not None) else None)
     if config is not None and config.rs_divergence:
         layout = divergence.Layout.of(config.rs_divergence)
+        gated = (divergence.gated_token_values(terms.moving_out, terms.token_pass, weight)
+                 if layout.gated and terms.moving_out is not None else None)
         extra = divergence.local_columns(layout, terms.usable, terms.estimators, terms.divergence_kept,
                                          batch.per_seq_sum,
-                                         lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE).double())
+                                         lambda v: batch.per_seq_extreme(v, "amax", divergence.NO_VALUE).double(),
+                                         gated)
         columns += list(extra.unbind(1))
     if bounded is not None:  # the last column (finalize reads it there)
         columns.append(bounded)
@@ -266,6 +279,7 @@ class Correction:
     seq_keep: Tensor  # [B] bool: sequence not rejected by a sequence-level stage
     metrics: dict[str, Tensor]  # name (with mis_ prefix) -> [N] float32, aligned with the local tokens
     message: str | None = None  # a warning for the host's log (the batch gate fired), else None
+    seq_gate: Tensor | None = None  # [B] bool: a directional sequence option fired (its moving-out tokens are out)
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -385,6 +399,7 @@ class FinalizeState:
     gate_statistics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # gate.STATISTICS -> 0-d
     message: str | None = None  # the batch gate's warning
     seq_reject: Tensor | None = None  # [B] bool: rejected by a sequence-level stage so far
+    seq_gate: Tensor | None = None  # [B] bool: a directional sequence option fired (None without one)
     seq_ratio: Tensor | None = None  # [B] r_i at a sequence/geometric tis_level (None at token level)
     seq_weight: Tensor | None = None  # [B] bounded w_i at a sequence/geometric tis_level (None at token level)
     seq_upper: float | Tensor | None = None  # the fixed sequence-level upper bound (a number, or [B] per lag)
@@ -436,6 +451,7 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     veto_catastrophic_sequences(state)
     reject_stale_sequences(state)
     reject_by_divergence(state)
+    reject_moving_out_tokens(state)
     keep_sequences(state)
     apply_adaptive_bound(state)
     sum_kept_weights(state)
@@ -606,12 +622,26 @@ def reject_by_divergence(state: FinalizeState) -> None:
         return
     terms = state.terms
     layout = divergence.Layout.of(state.config.rs_divergence)
-    div_reject, div_token, div_seq = divergence.evaluate(
+    div_reject, state.seq_gate, div_token, div_seq = divergence.evaluate(
         layout, state.stats[:, NUM_COLUMNS:], state.col["n_usable"], terms.estimators,
-        terms.divergence_kept, terms.usable)
+        terms.divergence_kept, terms.usable, terms.moving_out, state.batch.seq_index)
     state.seq_reject = state.seq_reject | div_reject
     state.token_metrics.update(div_token)
     state.seq_values.update(div_seq)
+
+
+def reject_moving_out_tokens(state: FinalizeState) -> None:
+    """A fired directional sequence option (VACO, ``divergence.evaluate``'s gate) rejects the sequence's moving-out
+    tokens; its kept-token columns become those of the tokens that stay (``divergence.staying_columns``):
+
+    gate_i:  n_pass_i, Σ_t w_t, Σ_t w_t², max/min_t w_t   over  {t passing the token stages : ¬out_t}
+    """
+    if state.seq_gate is None:
+        return
+    layout = divergence.Layout.of(state.config.rs_divergence)
+    staying = divergence.staying_columns(layout, state.stats[:, NUM_COLUMNS:])
+    for name, value in staying.items():
+        state.col[name] = torch.where(state.seq_gate, value, state.col[name])
 
 
 def keep_sequences(state: FinalizeState) -> None:
@@ -732,8 +762,12 @@ def broadcast_to_tokens(state: FinalizeState) -> Correction:
     seq_values[_KEEP] = state.seq_keep.float()
     if state.seq_weight is not None:
         seq_values[_WEIGHT] = state.seq_weight
+    if state.seq_gate is not None:
+        seq_values[_GATE] = state.seq_gate.float()
     per_token = _broadcast(state.batch, seq_values)
     token_keep = terms.token_pass * per_token.pop(_KEEP)
+    if state.seq_gate is not None:  # keep_t ·= 1 − gate_i(t) · out_t
+        token_keep = token_keep * (1.0 - per_token.pop(_GATE) * terms.moving_out)
     if state.config.rs_divergence:  # tokens removed by any divergence option, token- or sequence-level
         token_metrics["rs_divergence_masked_token_fraction"] = torch.maximum(
             token_metrics.pop("_divergence_token_rejected"), per_token.pop("_divergence_seq_reject"))
@@ -744,7 +778,8 @@ def broadcast_to_tokens(state: FinalizeState) -> Correction:
     # batch-level values: a fill per metric, cheaper than gathering them with the per-sequence table
     token_metrics.update(_expand({**state.weight_statistics, **state.batch_metrics}, weight.numel(),
                                  state.batch_vector))
-    return Correction(weight, token_keep, state.seq_keep, _metrics(token_metrics, per_token), state.message)
+    return Correction(weight, token_keep, state.seq_keep, _metrics(token_metrics, per_token), state.message,
+                      state.seq_gate)
 
 
 def _bound_seq_ratio(seq_values: dict[str, Tensor], seq_ratio: Tensor, config: MisConfig,
@@ -782,7 +817,7 @@ def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) 
     return padded.amax() if reduce == "amax" else padded.amin()
 
 
-_KEEP, _WEIGHT = "_seq_keep", "_seq_weight"  # internal columns of the broadcast table
+_KEEP, _WEIGHT, _GATE = "_seq_keep", "_seq_weight", "_seq_gate"  # internal columns of the broadcast table
 
 
 def _broadcast(batch: PackedBatch, seq_values: dict[str, Tensor]) -> dict[str, Tensor]:

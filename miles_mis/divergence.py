@@ -22,6 +22,19 @@ usable log-probs (p = q = 1 elsewhere, where both are 0), in float64:
 p − q is q·expm1(ℓ) where |ℓ| ≤ 1 (no cancellation when the two nearly agree), 1 − p is −expm1(log p), and
 log(1 − p) is log1mexp(log p) (``log1mexp``), so a token near p = 1 keeps its precision.
 
+Directional options (DPPO's token rule, VACO's sequence rule) reject a token only when its update would move it
+further out of the trust region. An update with advantage A_t raises p where A_t > 0 and lowers it where A_t < 0,
+so with ℓ_t = log p − log q the token moves out when
+
+    out_t = 1[A_t · ℓ_t > 0]        (0 where A_t = 0 or p = q; p − q, ℓ and any binary divergence share ℓ's sign)
+
+    token_dtv [−α, β]:  reject_t = out_t ∧ (tv_t ∉ [−α, β])        (prime-rl's default: A > 0 ∧ tv > β, A < 0 ∧ tv < −α)
+    token_dbkl δ:       reject_t = out_t ∧ (bkl_t > δ)
+    seq_mean_datv δ:    gate_i = mean_t atv_t > δ,  reject_t = out_t ∧ gate_i     (VACO; seq_mean_dbkl with bkl)
+
+A gated sequence keeps its other tokens: its kept-token columns (count, Σw, Σw², extremes) are those of the tokens
+that stay, carried in the per-sequence table beside the others (``Layout``), so CP ranks need no extra collective.
+
 All configured options are ANDed with every other stage. Token options act on tokens (locally);
 sequence options reject whole sequences from per-sequence sums/maxima combined over the CP group.
 """
@@ -47,6 +60,10 @@ def split_option(option: str) -> tuple[str, str]:
 
 
 PROBABILITY_ESTIMATORS = ("tv", "atv", "bkl")
+DIRECTIONAL = {"dtv": "tv", "dbkl": "bkl", "datv": "atv"}  # a directional option's estimator -> the statistic it reads
+# the columns of a gated (directional sequence) option: moving-out tokens, and the kept tokens that stay
+GATED_SUMS = ("n:out", "n_pass:in", "sum_w:in", "sum_w2:in")
+GATED_MAXES = ("max_w:in", "negmin_w:in")
 _LOG_TINY = -745.0  # below log of the smallest float64: log(1 − p) at p = 1 stays finite (a large bkl, not inf)
 
 
@@ -97,13 +114,35 @@ def probability_estimators(log_ratio: Tensor, train_log_probs: Tensor, rollout_l
     return out
 
 
+def statistic_of(estimator: str) -> str:
+    """The per-token statistic an estimator reads: a directional one its undirected statistic (dtv -> tv)."""
+    return DIRECTIONAL.get(estimator, estimator)
+
+
 def needed_estimators(options) -> tuple[str, ...]:
     """The estimators the configured options read."""
-    return tuple(dict.fromkeys(split_option(option)[1] for option, _, _ in options))
+    return tuple(dict.fromkeys(statistic_of(split_option(option)[1]) for option, _, _ in options))
+
+
+def needs_advantages(options) -> bool:
+    """Some option is directional: it reads the sign of the host's advantages."""
+    return any(split_option(option)[1] in DIRECTIONAL for option, _, _ in options)
+
+
+def gates_sequences(options) -> bool:
+    """Some option is a directional sequence option (VACO): its gate rejects tokens of the sequences it fires on."""
+    return any(split_option(option)[1] in DIRECTIONAL and not option.startswith("token_") for option, _, _ in options)
+
+
+def moving_out(log_ratio: Tensor, advantage_signs: Tensor) -> Tensor:
+    """0/1 per token: its update moves p_train further from p_rollout, sign(A_t)·ℓ_t > 0 (0 where not usable, where
+    ℓ = 0: a non-finite advantage there gives NaN, which compares false)."""
+    return indicator(torch.gt, advantage_signs * log_ratio, 0.0)
 
 
 def within(statistic: Tensor, estimator: str, lower: float | None, upper: float) -> Tensor:
-    """0/1: the option keeps this value (k1: a ratio range; k2/k3: an upper bound)."""
+    """0/1: the option keeps this value (k1: a ratio range; tv: a range of p − q; the others: an upper bound)."""
+    estimator = statistic_of(estimator)
     if estimator == "k1":  # ratio = exp(−k1) in [L, U]  <=>  −log U ≤ k1 ≤ −log L
         return indicator(torch.ge, statistic, -math.log(upper)).mul_(indicator(torch.le, statistic, -math.log(lower)))
     if estimator == "tv":  # p − q in [−α, β]
@@ -118,23 +157,29 @@ class Layout:
     options: tuple[tuple[str, float | None, float], ...]
     sum_names: tuple[str, ...]
     max_names: tuple[str, ...]
+    gated: bool = False  # a directional sequence option: the GATED_SUMS and GATED_MAXES columns are there
 
     @classmethod
     def of(cls, options) -> "Layout":
         sums, maxes = [], []
         for option, _, _ in options:
             aggregation, estimator = split_option(option)
+            statistic = statistic_of(estimator)
             if aggregation == "token":
                 sums.append(f"rejected:{option}")
                 maxes += [f"max:{option}", f"negmin:{option}"]
             elif aggregation == "seq_max":
-                maxes.append(f"max:{estimator}")
+                maxes.append(f"max:{statistic}")
             else:
-                sums.append(f"sum:{estimator}")
+                sums.append(f"sum:{statistic}")
         if any(split_option(o)[0] == "token" for o, _, _ in options):
             sums.append("rejected:any_token_option")
+        gated = gates_sequences(options)
+        if gated:
+            sums += GATED_SUMS
+            maxes += GATED_MAXES
         unique = lambda names: tuple(dict.fromkeys(names))  # noqa: E731
-        return cls(tuple(options), unique(sums), unique(maxes))
+        return cls(tuple(options), unique(sums), unique(maxes), gated)
 
     @property
     def width(self) -> int:
@@ -145,20 +190,49 @@ class Layout:
         return names.index(name)
 
 
-def token_decisions(options, estimators: dict[str, Tensor]) -> dict[str, Tensor]:
-    """0/1 'kept by this option' per token, for the token options."""
-    return {option: within(estimators[split_option(option)[1]], split_option(option)[1], lower, upper)
-            for option, lower, upper in options if split_option(option)[0] == "token"}
+def token_decisions(options, estimators: dict[str, Tensor], out: Tensor | None = None) -> dict[str, Tensor]:
+    """0/1 'kept by this option' per token, for the token options; a directional one rejects only the tokens
+    moving out (``out``, from ``moving_out``; None in metrics-only mode, where no decision is applied)."""
+    kept = {}
+    for option, lower, upper in options:
+        aggregation, estimator = split_option(option)
+        if aggregation != "token":
+            continue
+        keep = within(estimators[statistic_of(estimator)], estimator, lower, upper)
+        kept[option] = 1.0 - (1.0 - keep).mul_(out) if estimator in DIRECTIONAL and out is not None else keep
+    return kept
+
+
+def gated_token_values(out: Tensor, token_pass: Tensor, weight: Tensor) -> dict[str, Tensor]:
+    """The per-token values of the GATED_SUMS and GATED_MAXES columns: the moving-out tokens, and the count, Σw,
+    Σw² and extremes of the passing tokens that stay (``weight``: the token weight where passing, else 0)."""
+    staying = (1.0 - out).mul_(token_pass)
+    leaving = 1.0 - staying  # not passing, or moving out: out of the staying extremes
+    staying_weight = weight * staying
+    return {"n:out": out, "n_pass:in": staying, "sum_w:in": staying_weight, "sum_w2:in": staying_weight.square(),
+            "max_w:in": staying_weight - leaving,  # −1 where not staying, as the base max column
+            "negmin_w:in": leaving.mul(-3.0e38).sub_(staying_weight)}  # −(min): 3e38 where not staying
+
+
+def staying_columns(layout: Layout, columns: Tensor) -> dict[str, Tensor]:
+    """The base table's kept-token columns of a gated sequence, from its GATED columns (core.COL names)."""
+    column = lambda name: columns[:, layout.column(name)]  # noqa: E731
+    return {"n_token_pass": column("n_pass:in"), "sum_token_weight": column("sum_w:in"),
+            "sum_token_weight_sq": column("sum_w2:in"), "max_token_weight": column("max_w:in").clamp(min=-1.0),
+            "min_token_weight": -column("negmin_w:in")}
 
 
 def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor], kept: dict[str, Tensor],
-                  per_seq_sum, per_seq_max) -> Tensor:
-    """[B, layout.width] per-sequence sums then maxima of this rank's tokens."""
+                  per_seq_sum, per_seq_max, gated: dict[str, Tensor] | None = None) -> Tensor:
+    """[B, layout.width] per-sequence sums then maxima of this rank's tokens (``gated``: the values of
+    ``gated_token_values``, with a directional sequence option)."""
     not_usable = (1.0 - usable).mul_(-NO_VALUE)  # pushes non-usable tokens to −3e38 in maxima
     columns = []
     for name in layout.sum_names:
         kind, what = name.split(":")
-        if what == "any_token_option":
+        if name in GATED_SUMS:
+            columns.append(per_seq_sum(gated[name]))
+        elif what == "any_token_option":
             rejected_any = torch.zeros_like(usable)
             for keep in kept.values():
                 rejected_any = torch.maximum(rejected_any, 1.0 - keep)
@@ -169,7 +243,10 @@ def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor],
             columns.append(per_seq_sum(estimators[what] * usable))
     for name in layout.max_names:
         kind, what = name.split(":")
-        value = estimators[split_option(what)[1] if what.startswith("token") else what]
+        if name in GATED_MAXES:
+            columns.append(per_seq_max(gated[name]))
+            continue
+        value = estimators[statistic_of(split_option(what)[1]) if what.startswith("token") else what]
         value = -value if kind == "negmin" else value
         columns.append(per_seq_max(value - not_usable))
     return torch.stack(columns, dim=1)  # called only with at least one option, so never empty
@@ -178,6 +255,7 @@ def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor],
 def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: Tensor) -> Tensor:
     """The per-sequence statistic [B] of a sequence option from the combined columns."""
     aggregation, estimator = split_option(option)
+    estimator = statistic_of(estimator)
     if aggregation == "seq_max":
         return columns[:, layout.column(f"max:{estimator}")].clamp(min=0.0)  # no usable token -> 0
     total = columns[:, layout.column(f"sum:{estimator}")]
@@ -185,22 +263,27 @@ def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: T
 
 
 def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: dict[str, Tensor],
-             token_kept: dict[str, Tensor], usable: Tensor):
-    """Sequence rejections and every option's metrics.
+             token_kept: dict[str, Tensor], usable: Tensor, out: Tensor | None = None,
+             seq_index: Tensor | None = None):
+    """Sequence rejections, the directional sequence options' gate, and every option's metrics.
 
-    Returns (seq_reject [B] bool, token metrics {name: [N]}, sequence metrics {name: [B]}). Metric names,
-    generated here for every option: rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction},
-    plus rs_divergence_masked_{token,seq}_fraction over all options together.
+    Returns (seq_reject [B] bool, gate [B] bool or None without a directional sequence option, token metrics
+    {name: [N]}, sequence metrics {name: [B]}). ``out``: the moving-out tokens and ``seq_index`` each token's
+    sequence, with a directional sequence option. Metric names, generated here for every option:
+    rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction}, plus
+    rs_divergence_masked_{token,seq}_fraction over all options together.
     """
     seq_reject = torch.zeros_like(n_usable, dtype=torch.bool)
+    gate = None
     token_metrics: dict[str, Tensor] = {}
     seq_metrics: dict[str, Tensor] = {}
     nonempty = n_usable > 0
+    moved = columns[:, layout.column("n:out")] > 0 if layout.gated else None  # a gated sequence loses a token
     for option, lower, upper in layout.options:
         aggregation, estimator = split_option(option)
         prefix = f"rs_{option}"
         if aggregation == "token":
-            token_metrics[f"{prefix}_mean"] = token_values[estimator]
+            token_metrics[f"{prefix}_mean"] = token_values[statistic_of(estimator)]
             token_metrics[f"{prefix}_masked_token_fraction"] = (1.0 - token_kept[option]).mul_(usable)
             seq_metrics[f"{prefix}_masked_seq_fraction"] = (columns[:, layout.column(f"rejected:{option}")] > 0).float()
             high = columns[:, layout.column(f"max:{option}")]
@@ -209,10 +292,15 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
         else:
             statistic = sequence_statistic(layout, option, columns, n_usable)
             rejected = (within(statistic, estimator, lower, upper) == 0) & nonempty
-            seq_reject |= rejected
             seq_metrics[f"{prefix}_mean"] = statistic
-            seq_metrics[f"{prefix}_masked_token_fraction"] = rejected.float()  # the whole sequence's tokens
-            seq_metrics[f"{prefix}_masked_seq_fraction"] = rejected.float()
+            if estimator in DIRECTIONAL:  # the gate: only the sequence's moving-out tokens are rejected
+                gate = rejected if gate is None else gate | rejected
+                token_metrics[f"{prefix}_masked_token_fraction"] = rejected.float().index_select(0, seq_index) * out
+                seq_metrics[f"{prefix}_masked_seq_fraction"] = (rejected & moved).float()
+            else:
+                seq_reject |= rejected
+                seq_metrics[f"{prefix}_masked_token_fraction"] = rejected.float()  # the whole sequence's tokens
+                seq_metrics[f"{prefix}_masked_seq_fraction"] = rejected.float()
             batch_max, batch_min = _extremes(statistic, statistic, nonempty)
         seq_metrics[f"{prefix}_max"] = batch_max.expand(n_usable.shape[0])
         seq_metrics[f"{prefix}_min"] = batch_min.expand(n_usable.shape[0])
@@ -221,11 +309,14 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     any_token = None
     for keep in token_kept.values():
         any_token = (1.0 - keep) if any_token is None else torch.maximum(any_token, 1.0 - keep)
+    any_token = any_token.mul(usable) if any_token is not None else torch.zeros_like(usable)
+    if gate is not None:  # the gated sequences' moving-out tokens (usable: out is 0 elsewhere)
+        any_token = torch.maximum(any_token, gate.float().index_select(0, seq_index) * out)
+        token_rejected = token_rejected | (gate & moved)
     seq_metrics["rs_divergence_masked_seq_fraction"] = (seq_reject | token_rejected).float()
     seq_metrics["_divergence_seq_reject"] = seq_reject.float()
-    token_metrics["_divergence_token_rejected"] = (any_token.mul(usable) if any_token is not None
-                                                   else torch.zeros_like(usable))
-    return seq_reject, token_metrics, seq_metrics
+    token_metrics["_divergence_token_rejected"] = any_token
+    return seq_reject, gate, token_metrics, seq_metrics
 
 
 def _extremes(high: Tensor, low: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import core, distributed, gate, rejections, staleness, versions
+from . import advantages, core, distributed, gate, rejections, staleness, versions
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -43,8 +43,9 @@ def compute_mis_weights_with_cp(
     ``train_log_probs``/``rollout_log_probs`` are this CP rank's shards, ``loss_masks`` full length.
     Metrics are 1-D tensors aligned with the local ``pg_loss``. Optional kwargs (docs/contract.md): the current
     policy's log-probs ``cur_log_probs``/``current_log_probs`` (same layout as ``train_log_probs``; read with
-    ``tis_policy: current``) and each sequence's lag, ``version_lags`` or ``weight_versions`` with
-    ``current_weight_version`` (docs/staleness.md). Other unknown kwargs are ignored. Any failure on any CP rank
+    ``tis_policy: current``), each sequence's lag, ``version_lags`` or ``weight_versions`` with
+    ``current_weight_version`` (docs/staleness.md), and ``advantages`` (per sequence in ``train_log_probs``' layout,
+    or flat; read by the directional ``rs_divergence`` options). Other unknown kwargs are ignored. Any failure on any CP rank
     (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
     """
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
@@ -63,7 +64,7 @@ def compute_mis_weights_fsdp(
     **kwargs: Any,
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """Entry point for hosts without context parallelism (miles' FSDP backend): full sequences. The optional
-    kwargs of ``compute_mis_weights_with_cp`` (current policy, lags) are read the same way."""
+    kwargs of ``compute_mis_weights_with_cp`` (current policy, lags, advantages) are read the same way."""
     return _run(args, distributed.SINGLE, kwargs.get("parallel_state"), pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
                  kwargs.get("response_lengths"), None), qkv_format="thd", extra=kwargs)
@@ -81,13 +82,13 @@ def compute_mis_weights(
 
     Returns (weights per sequence, or None in metrics-only mode; modified masks; metrics as
     name -> list of per-sequence tensors). ``args`` may be a Namespace or a ``MisConfig``. The optional kwargs of
-    ``compute_mis_weights_with_cp`` (current policy, lags) are read the same way.
+    ``compute_mis_weights_with_cp`` (current policy, lags, advantages) are read the same way.
     """
     config = MisConfig.from_args(args)
     _refuse_dp_scopes(config, "compute_mis_weights")
     train_log_probs = _policy_log_probs(config, train_log_probs, kwargs)
-    packed = _with_lags(pack_sequences(train_log_probs, rollout_log_probs, loss_masks,
-                                       train_name=_train_name(config)), config, kwargs)
+    packed = _with_optional_inputs(pack_sequences(train_log_probs, rollout_log_probs, loss_masks,
+                                                  train_name=_train_name(config)), config, kwargs)
     correction = _correct_whole_sequences(packed.batch, config)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
@@ -115,7 +116,8 @@ def compute_mis_weights_packed(
     same sequences, concatenated. ``config`` may be a Namespace or a ``MisConfig``. Invalid inputs raise
     ``InputError`` (a ``ValueError``) naming what is wrong (docs/contract.md). ``current_log_probs`` (flat [N], also
     accepted as ``cur_log_probs``): the current policy, read with ``tis_policy: current``; ``version_lags`` (B
-    integers, or ``weight_versions`` with ``current_weight_version``): each sequence's lag (docs/staleness.md).
+    integers, or ``weight_versions`` with ``current_weight_version``): each sequence's lag (docs/staleness.md);
+    ``advantages`` (flat [N]): read by the directional ``rs_divergence`` options.
     """
     config = MisConfig.from_args(config)
     _refuse_dp_scopes(config, "compute_mis_weights_packed")
@@ -124,7 +126,8 @@ def compute_mis_weights_packed(
         current = versions.current_policy(given)
         versions.require_current(current, "current_log_probs")
         train_log_probs = current.detach() if isinstance(current, Tensor) else current
-    batch = _batch_with_lags(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens), config, given)
+    batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens), config,
+                                        given)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
@@ -147,21 +150,24 @@ def _policy_log_probs(config: MisConfig, train_log_probs: Any, kwargs: dict) -> 
     return versions.detached_list(current, train_log_probs)
 
 
-def _with_lags(packed: PackedInputs, config: MisConfig, kwargs: dict) -> PackedInputs:
+def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict) -> PackedInputs:
     """``packed`` with each sequence's lag (``miles_mis.versions``) when the host passes them: in the batch, and
-    under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence)."""
-    batch = _batch_with_lags(packed.batch, config, kwargs)
+    under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence); and
+    with the advantages' signs when the config reads them (``miles_mis.advantages``)."""
+    batch = _batch_with_optional_inputs(packed.batch, config, kwargs)
     if batch.lags is None:
-        return packed
+        return packed if batch is packed.batch else dataclasses.replace(packed, batch=batch)
     table = packed.length_table
     if table is not None:
         table = torch.cat([table, batch.lags.to(table.device, table.dtype)[:, None]], dim=1)
     return dataclasses.replace(packed, batch=batch, length_table=table)
 
 
-def _batch_with_lags(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:
-    """``batch`` with the host's lags and their mean (``miles_mis.versions``), or unchanged when it passes none;
-    a config that needs lags without them is an error (``staleness.require_lags``)."""
+def _batch_with_optional_inputs(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:
+    """``batch`` with the host's lags and their mean (``miles_mis.versions``; unchanged when it passes none, an error
+    when the config needs them: ``staleness.require_lags``) and the advantages' signs the config reads
+    (``miles_mis.advantages``)."""
+    batch = advantages.with_advantages(batch, config, kwargs)
     values = versions.lag_list(kwargs, batch.num_seqs)
     staleness.require_lags(config, values is not None)
     if values is None:
@@ -205,7 +211,8 @@ class _PreparedCall:
     terms: core.TokenTerms  # with an adaptive token-level bound: not yet bounded (the bound needs every rank)
     text: str
     batch_values: Tensor  # this rank's batch sums (and bound histogram), combined over CP in the agreement header
-    rejected: Tensor | None  # [N] 0/1 tokens removed at token level, under CP with a config that can (else None)
+    rejected: Tensor | None  # [N] (or [2, N]) 0/1 tokens removed at token level (core.token_rejections), under CP
+    # with a config that can (else None)
     num_rejected: int = 0
 
 
@@ -227,10 +234,10 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
         if local is None:
             dp = _dp_group_of_raw_args(args, parallel_state)
     headers, batch_values = _agree_with_cp_peers(cp, dp, local, error)
-    correction, rejected_positions = _correct_with_peers(local, cp, dp, headers, batch_values)
+    correction, rejected = _correct_with_peers(local, cp, dp, headers, batch_values)
     if correction.weights is not None:
         pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
-    masks = list(_full_masks(local.packed, correction, rejected_positions).split_with_sizes(
+    masks = list(_full_masks(local.packed, correction, rejected).split_with_sizes(
         local.packed.response_lengths))
     return pg_loss, masks, correction.metrics
 
@@ -245,10 +252,10 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
     packed = pack_sequences(train_log_probs, rollout_log_probs, loss_masks, total_lengths=total_lengths,
                             response_lengths=response_lengths, max_seq_lens=max_seq_lens, cp=cp, qkv_format=qkv_format,
                             train_name=_train_name(config))
-    packed = _with_lags(packed, config, extra)
+    packed = _with_optional_inputs(packed, config, extra)
     check_pg_loss(pg_loss, packed.batch)
     terms = core.token_terms(packed.batch, config)
-    rejected = core.token_rejections(terms) if cp.size > 1 and core.rejects_tokens(config) else None
+    rejected = core.token_rejections(terms, config) if cp.size > 1 and core.rejects_tokens(config) else None
     return _PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None),
                          core.local_batch_values(packed.batch, terms, config), rejected,
                          0 if rejected is None else int(rejected.sum()))
@@ -287,18 +294,18 @@ def _agree_with_cp_peers(cp: distributed.Group, dp: distributed.Group, local: _P
 
 
 def _correct_with_peers(local: _PreparedCall, cp: distributed.Group, dp: distributed.Group, headers: list | None,
-                        batch_values: Tensor) -> tuple[core.Correction, Tensor | None]:
+                        batch_values: Tensor) -> tuple[core.Correction, "_Rejected | None"]:
     """Bound, per-sequence table (exchanged over CP), finalize with the DP reductions the config asks for.
-    Returns the correction and the positions of the tokens any CP rank rejected (None at CP size 1)."""
+    Returns the correction and the tokens any CP rank rejected (None at CP size 1)."""
     config, packed, text = local.config, local.packed, local.text
     scopes = _dp_scopes(config)
     dp_sum = (lambda values: distributed.dp_sum(values, dp, text)) if dp.size > 1 else None  # noqa: E731
     terms, bound = core.bound_token_terms(local.terms, batch_values.to(local.terms.token_ratio.device), config,
                                           reduce_histogram=dp_sum if scopes.token_bound else None)
     stats = core.local_seq_stats(packed.batch, terms, config)
-    rejected_positions = None
+    rejected = None
     if cp.size > 1:
-        stats, rejected_positions = _exchange_seq_table(local, stats, cp, dp, headers, scopes)
+        stats, rejected = _exchange_seq_table(local, stats, cp, dp, headers, scopes)
     reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
                    if dp.size > 1 and scopes.gate else None)
     correction = core.finalize(packed.batch, terms, stats, config,
@@ -306,15 +313,26 @@ def _correct_with_peers(local: _PreparedCall, cp: distributed.Group, dp: distrib
                                batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate, bound=bound,
                                reduce_histogram=dp_sum if scopes.seq_bound else None)
     _log(correction, cp)
-    return correction, rejected_positions
+    return correction, rejected
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    """The tokens any CP rank rejected at token level, as positions in the full masks; with a directional sequence
+    option also those its gate removes when it fires on their sequence (decided after the exchange)."""
+
+    positions: Tensor  # [M] int64
+    gated_positions: Tensor | None = None  # [G] int64, the moving-out tokens
+    gated_sequences: Tensor | None = None  # [G] int64, their sequences
 
 
 def _exchange_seq_table(local: _PreparedCall, stats: Tensor, cp: distributed.Group, dp: distributed.Group,
-                        headers: list, scopes: _DpScopes) -> tuple[Tensor, Tensor]:
-    """The per-sequence table combined over the CP group, and the positions of the tokens rejected on any CP
-    rank (exchanged with the table, encoded as the headers' token counts make cheapest)."""
+                        headers: list, scopes: _DpScopes) -> tuple[Tensor, _Rejected]:
+    """The per-sequence table combined over the CP group, and the tokens rejected on any CP rank (exchanged with
+    the table, encoded as the headers' token counts make cheapest)."""
     packed = local.packed
-    encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers])
+    planes = 1 if local.rejected is None else local.rejected.dim()
+    encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
     try:
         stats, gathered = distributed.exchange_seq_stats(
             stats, packed.length_table, cp,
@@ -324,7 +342,12 @@ def _exchange_seq_table(local: _PreparedCall, stats: Tensor, cp: distributed.Gro
             distributed.agree(dp, "dp", error=failure, config_text=local.text)
         raise
     stats = core.combine_seq_stats(stats, local.config)
-    return stats, rejections.positions(*rejections.decode(gathered, encoding), packed.length_table, cp.size)
+    rank, index, plane = rejections.decode(gathered, encoding)
+    positions, sequences = rejections.positions(rank, index, packed.length_table, cp.size)
+    if planes == 1:
+        return stats, _Rejected(positions)
+    gated = plane == 1
+    return stats, _Rejected(positions[~gated], positions[gated], sequences[gated])
 
 
 # --------------------------------------------------------------------------- data-parallel scopes
@@ -396,11 +419,12 @@ def weigh_loss(pg_loss: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep.to(weighted.device) > 0, weighted, torch.zeros_like(weighted))
 
 
-def _full_masks(packed: PackedInputs, correction: core.Correction, rejected_positions: Tensor | None = None) -> Tensor:
+def _full_masks(packed: PackedInputs, correction: core.Correction, rejected: _Rejected | None = None) -> Tensor:
     """Flat full-length modified masks: the input mask values (dtype too) with rejected tokens set to 0, so a
     kept token keeps its value (0.5 stays 0.5). Metrics-only: the input values unchanged (a new tensor).
     Under CP, identical on every rank and equal to cp = 1: the sequence-level decisions (identical on every
-    rank) times the token-level rejections of every rank (``rejected_positions``, exchanged with the table)."""
+    rank) times the token-level rejections of every rank (``rejected``, exchanged with the table), and the
+    moving-out tokens of the sequences a directional gate fired on."""
     masks = packed.full_masks
     if correction.weights is None:
         return masks
@@ -408,8 +432,12 @@ def _full_masks(packed: PackedInputs, correction: core.Correction, rejected_posi
     if packed.local_positions is not None:
         keep = correction.seq_keep.to(keep.dtype).repeat_interleave(
             long_tensor(packed.response_lengths, masks.device), output_size=masks.numel())
-        if rejected_positions is not None and rejected_positions.numel():
-            keep = keep.index_fill_(0, rejected_positions.to(masks.device), 0.0)
+        positions = None if rejected is None else rejected.positions
+        if rejected is not None and rejected.gated_positions is not None and correction.seq_gate is not None:
+            fired = correction.seq_gate.to(rejected.gated_sequences.device)[rejected.gated_sequences]
+            positions = torch.cat([positions, rejected.gated_positions[fired]])
+        if positions is not None and positions.numel():
+            keep = keep.index_fill_(0, positions.to(masks.device), 0.0)
     return _zero_rejected(masks, keep)
 
 

@@ -12,6 +12,9 @@ which every rank picks alike from the counts in the agreement headers (N_r local
 
 (padded to whole float64 words), nothing when no rank rejected a token. Every rank decodes the same gathered
 bytes into the same full-mask positions (``positions``): (rank r, local index j) → the zigzag layout of rank r.
+
+With a directional sequence option a second plane travels too: the tokens its gate removes if it fires (known only
+after the table is combined), P = 2 bit planes, or index p·max_r N_r + j; R_r counts both planes.
 """
 
 from __future__ import annotations
@@ -32,14 +35,18 @@ class Encoding:
 
     kind: str  # "none", "bits" or "indices"
     size: int  # bytes per rank, a multiple of 8
+    planes: int = 1  # sets of flagged tokens (1, or 2 with a directional sequence option)
+    stride: int = 0  # max_r N_r: bytes of a bit plane ×8, the index offset of a plane
 
     @classmethod
-    def choose(cls, tokens: list[int], rejected: list[int]) -> "Encoding":
-        """The cheaper encoding for ranks with ``tokens[r]`` local tokens of which ``rejected[r]`` are rejected."""
+    def choose(cls, tokens: list[int], rejected: list[int], planes: int = 1) -> "Encoding":
+        """The cheaper encoding for ranks with ``tokens[r]`` local tokens of which ``rejected[r]`` are flagged (over
+        ``planes`` planes)."""
         if max(rejected, default=0) == 0:
-            return cls("none", 0)
-        bits, indices = _words((max(tokens) + 7) // 8), _words(4 * max(rejected))
-        return cls("indices", indices) if indices < bits else cls("bits", bits)
+            return cls("none", 0, planes)
+        stride = -(-max(tokens) // 8) * 8
+        bits, indices = _words(planes * stride // 8), _words(4 * max(rejected))
+        return cls("indices", indices, planes, stride) if indices < bits else cls("bits", bits, planes, stride)
 
 
 def _words(size: int) -> int:
@@ -47,39 +54,48 @@ def _words(size: int) -> int:
 
 
 def encode(rejected: Tensor, encoding: Encoding) -> Tensor:
-    """uint8 [encoding.size]: this rank's rejections ([N] 0/1, local token order) in ``encoding``."""
+    """uint8 [encoding.size]: this rank's rejections ([N] 0/1, or [P, N] for P planes; local token order) in
+    ``encoding``."""
     device = rejected.device
+    rejected = rejected.view(encoding.planes, -1)
     out = torch.zeros(encoding.size, dtype=torch.uint8, device=device)
     if encoding.kind == "bits":
         flags = torch.zeros(encoding.size * 8, dtype=torch.uint8, device=device)
-        flags[:rejected.numel()] = rejected.to(torch.uint8)
+        planes = flags[:encoding.planes * encoding.stride].view(encoding.planes, encoding.stride)
+        planes[:, :rejected.shape[1]] = rejected.to(torch.uint8)
         weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
-        out = flags.view(-1, 8).mul_(weights).sum(1, dtype=torch.uint8)  # bit k of byte i = token 8i + k
+        out = flags.view(-1, 8).mul_(weights).sum(1, dtype=torch.uint8)  # bit k of byte i = flag 8i + k
     elif encoding.kind == "indices":
-        index = rejected.nonzero().view(-1).to(torch.int32)
+        plane, index = rejected.nonzero().unbind(1)
+        index = (index + plane * encoding.stride).to(torch.int32)
         padded = torch.full((encoding.size // 4,), -1, dtype=torch.int32, device=device)
         padded[:index.numel()] = index
         out = padded.view(torch.uint8)
     return out
 
 
-def decode(gathered: Tensor, encoding: Encoding) -> tuple[Tensor, Tensor]:
-    """(rank, local index) int64 [M] of every rejected token of every rank, from the gathered [C, size] bytes."""
+def decode(gathered: Tensor, encoding: Encoding) -> tuple[Tensor, Tensor, Tensor]:
+    """(rank, local index, plane) int64 [M] of every flagged token of every rank, from the gathered [C, size]
+    bytes."""
     if encoding.kind == "bits":
         shifts = torch.arange(8, dtype=torch.uint8, device=gathered.device)
         flags = gathered[:, :, None].bitwise_right_shift(shifts).bitwise_and_(1).view(gathered.shape[0], -1)
-        rank, index = flags.nonzero().unbind(1)
-        return rank, index
+        flags = flags[:, :encoding.planes * encoding.stride].view(gathered.shape[0], encoding.planes, encoding.stride)
+        rank, plane, index = flags.nonzero().unbind(1)
+        return rank, index, plane
     if encoding.kind == "indices":
         index = gathered.contiguous().view(torch.int32).long()
         rank, column = (index >= 0).nonzero().unbind(1)
-        return rank, index[rank, column]
+        flat = index[rank, column]
+        if encoding.planes == 1:
+            return rank, flat, torch.zeros_like(flat)
+        return rank, flat % encoding.stride, flat // encoding.stride
     empty = torch.zeros(0, dtype=torch.long, device=gathered.device)
-    return empty, empty
+    return empty, empty, empty
 
 
-def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -> Tensor:
-    """Positions in the concatenated full masks of the tokens (rank r, local index j).
+def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -> tuple[Tensor, Tensor]:
+    """Positions in the concatenated full masks of the tokens (rank r, local index j), and their sequences.
 
     ``length_table``: [B, 3] response, total and span lengths (the span is what the layout cuts into 2C chunks:
     the total length for thd, max_seq_len for bshd). Rank r's local tokens are, sequence by sequence, its two
@@ -87,7 +103,7 @@ def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -
     sequence) row by one search over the running token count of all ranks' rows.
     """
     if rank.numel() == 0:
-        return rank
+        return rank, rank
     table = length_table.long().to(rank.device)
     responses, totals, spans = table[:, :3].unbind(1)  # (a fourth column, the lags, may follow)
     ranks = torch.arange(cp_size, device=rank.device)[:, None]
@@ -103,4 +119,5 @@ def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -
     in_response = torch.where(offset < len0, layout.start0.reshape(-1)[row] + offset,
                               layout.start1.reshape(-1)[row] + offset - len0)
     response_starts = responses.cumsum(0) - responses
-    return response_starts[row % num_seqs] + in_response
+    sequence = row % num_seqs
+    return response_starts[sequence] + in_response, sequence

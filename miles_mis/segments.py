@@ -47,6 +47,9 @@ class PackedBatch:
     # [B] int64 weight versions each sequence is behind the trainer (miles_mis.staleness); None = not given
     lags: Tensor | None = None
     lag_mean: float = 0.0  # their mean (read from the host's list, without a tensor op)
+    # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.advantages), read by the directional divergence
+    # options; None = not given or not needed
+    advantage_signs: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

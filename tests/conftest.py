@@ -37,6 +37,20 @@ def random_batch(seed: int, num_seqs: int = 12, max_len: int = 40, noise: float 
     return train, rollout, masks
 
 
+def random_advantages(masks, seed: int) -> list:
+    """Per-token advantages for ``masks``' sequences: GRPO-like per-sequence values (some 0: a group whose rewards all
+    agree) with a per-token spread on some sequences, so both signs and 0 occur; NaN on masked tokens (never read)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    out = []
+    for i, m in enumerate(masks):
+        value = (torch.randn(1, generator=gen) if i % 4 else torch.zeros(1)).expand(len(m)).clone()
+        if i % 3 == 1:
+            value = value + torch.randn(len(m), generator=gen)
+        value[m == 0] = float("nan")
+        out.append(value)
+    return out
+
+
 def call_plugin(cfg, train, rollout, masks, pg_loss=None):
     """compute_mis_weights_with_cp at cp = 1 as a host calls it (prompts of 5 tokens, pg_loss of ones)."""
     from miles_mis import compute_mis_weights_with_cp

@@ -70,7 +70,16 @@ def _estimators(t) -> dict[str, float]:
     return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q), "bkl": max(bkl, 0.0)}
 
 
+DIRECTIONAL = {"dtv": "tv", "dbkl": "bkl", "datv": "atv"}  # a directional option -> the statistic it reads
+
+
+def _moves_out(t) -> bool:
+    """The token's update moves p_train further from p_rollout: A·ℓ > 0 (DPPO's and VACO's direction)."""
+    return t["usable"] and t["adv"] * t["ell"] > 0
+
+
 def _keeps(estimator: str, value: float, lower, upper) -> bool:
+    estimator = DIRECTIONAL.get(estimator, estimator)
     if estimator == "k1":  # the ratio exp(-k1) must lie in [lower, upper]: compared in log space, since
         # a seq_sum k1 beyond ±709 would overflow exp (−log U ≤ k1 ≤ −log L)
         return -math.log(upper) <= value <= -math.log(lower)
@@ -80,19 +89,23 @@ def _keeps(estimator: str, value: float, lower, upper) -> bool:
 
 
 def divergence_reference(cfg, sequences, put):
-    """Per-sequence loop over cfg.rs_divergence: (token rejected [[bool]], sequence rejected [bool])."""
+    """Per-sequence loop over cfg.rs_divergence: (token rejected [[bool]], sequence rejected [bool], token rejected
+    by a directional sequence option's gate [[bool]])."""
     token_rejected = [[False] * len(toks) for toks in sequences]
+    gated_rejected = [[False] * len(toks) for toks in sequences]
     seq_rejected = [False] * len(sequences)
     any_token = [[False] * len(toks) for toks in sequences]
     for option, lower, upper in cfg.rs_divergence:
         aggregation, estimator = option.rsplit("_", 1)
+        directional = estimator in DIRECTIONAL
         name = f"rs_{option}"
         values_per_seq = []
         for i, toks in enumerate(sequences):
-            ks = [_estimators(t)[estimator] if t["usable"] else 0.0 for t in toks]
+            ks = [_estimators(t)[DIRECTIONAL.get(estimator, estimator)] if t["usable"] else 0.0 for t in toks]
             usable = [k for k, t in zip(ks, toks) if t["usable"]]
             if aggregation == "token":
-                rejected = [t["usable"] and not _keeps(estimator, k, lower, upper) for k, t in zip(ks, toks)]
+                rejected = [t["usable"] and not _keeps(estimator, k, lower, upper) and (not directional or _moves_out(t))
+                            for k, t in zip(ks, toks)]
                 put(f"{name}_mean", i, ks)
                 put(f"{name}_masked_token_fraction", i, [float(r) for r in rejected])
                 put(f"{name}_masked_seq_fraction", i, [float(any(rejected))] * len(toks))
@@ -108,11 +121,19 @@ def divergence_reference(cfg, sequences, put):
                 else:
                     stat = max(usable) if usable else 0.0
                 rejected = bool(usable) and not _keeps(estimator, stat, lower, upper)
-                seq_rejected[i] |= rejected
                 put(f"{name}_mean", i, [stat] * len(toks))
+                values_per_seq.append([stat] if usable else [])
+                if directional:  # VACO: the gate removes the sequence's moving-out tokens only
+                    removed = [rejected and _moves_out(t) for t in toks]
+                    put(f"{name}_masked_token_fraction", i, [float(r) for r in removed])
+                    put(f"{name}_masked_seq_fraction", i, [float(any(removed))] * len(toks))
+                    for t_index, r in enumerate(removed):
+                        gated_rejected[i][t_index] |= r
+                        any_token[i][t_index] |= r
+                    continue
+                seq_rejected[i] |= rejected
                 put(f"{name}_masked_token_fraction", i, [float(rejected)] * len(toks))
                 put(f"{name}_masked_seq_fraction", i, [float(rejected)] * len(toks))
-                values_per_seq.append([stat] if usable else [])
         flat = [v for vs in values_per_seq for v in vs]
         for i, toks in enumerate(sequences):
             put(f"{name}_max", i, [max(flat) if flat else 0.0] * len(toks))
@@ -122,7 +143,7 @@ def divergence_reference(cfg, sequences, put):
         put("rs_divergence_masked_token_fraction", i,
             [float(seq_rejected[i] or any_token[i][t]) if toks[t]["usable"] or seq_rejected[i] else 0.0
              for t in range(len(toks))])
-    return token_rejected, seq_rejected
+    return token_rejected, seq_rejected, gated_rejected
 
 
 def batch_level_reference(cfg, sequences, put) -> bool:
@@ -154,23 +175,25 @@ def batch_level_reference(cfg, sequences, put) -> bool:
     return gated
 
 
-def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
+def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None, advantages=None):
     """``lags``: each sequence's version lag, or None (docs/staleness.md: lag-bucket metrics, per-lag bounds, the
-    staleness gate)."""
+    staleness gate); ``advantages``: per sequence, each token's advantage (the directional options read them)."""
     sequences = []
-    for train_t, rollout_t, mask_t in zip(train_log_probs, rollout_log_probs, loss_masks):
+    if advantages is None:
+        advantages = [[0.0] * len(m) for m in loss_masks]
+    for train_t, rollout_t, mask_t, adv_t in zip(train_log_probs, rollout_log_probs, loss_masks, advantages):
         train = [float(x) for x in train_t.double()]
         rollout = [float(x) for x in rollout_t.double()]
         mask = [float(m) for m in mask_t]
         valid = [m != 0.0 for m in mask]
         tokens = []
-        for position, (a, b, v, m) in enumerate(zip(train, rollout, valid, mask)):
+        for position, (a, b, v, m, adv) in enumerate(zip(train, rollout, valid, mask, [float(x) for x in adv_t])):
             finite = abs(a) < LOG_PROB_BOUND and abs(b) < LOG_PROB_BOUND  # False for NaN, ±inf, fill values
             usable = v and finite
             ell = (a - b) if usable else 0.0
             tokens.append(dict(valid=v, usable=usable, nonfinite=v and not finite, ell=ell, rho=_exp(ell),
                                train=a if usable else 0.0, rollout=b if usable else 0.0, position=position,
-                               mask=m))
+                               mask=m, adv=adv))
         sequences.append(tokens)
 
     metrics = {}
@@ -211,8 +234,11 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
     stale = stale_reference(cfg, sequences, lags, put)
 
     # ---- weights, rejections
-    div_token_rejected, div_seq_rejected = (divergence_reference(cfg, sequences, put) if cfg.rs_divergence
-                                            else ([[False] * len(t) for t in sequences], [False] * len(sequences)))
+    none = [[False] * len(t) for t in sequences]
+    div_token_rejected, div_seq_rejected, gated_rejected = (
+        divergence_reference(cfg, sequences, put) if cfg.rs_divergence else (none, [False] * len(sequences), none))
+    # after the adaptive token-level bound's population (a gate is a sequence decision): with the token rejections
+    after_token = [[a or b for a, b in zip(x, y)] for x, y in zip(div_token_rejected, gated_rejected)]
 
     def level_ratio(level, tok, toks):
         if level == "token":
@@ -229,7 +255,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
             by_lag = cfg.tis_upper_bound_by_lag
             uppers = [float(struct.unpack("f", struct.pack("f", by_lag[min(lag, len(by_lag) - 1)]))[0])
                       for lag in lags]  # float32, as the fast path holds them
-        return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected,
+        return _weigh(cfg, sequences, put, metrics, level_ratio, gated, after_token, div_seq_rejected,
                       uppers, stale, lags)
     # ---- the adaptive bound: chosen over the population, then the fixed-bound computation at it
     if cfg.tis_level == "token":  # every token passing the token-level stages (sequence rejections come later)
@@ -242,7 +268,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
                 if passes:
                     population.append((t["rho"], 1))
     else:  # every kept sequence, counted once per kept token (truncation rejects nothing: any bound will do)
-        _, first_masks, _ = _weigh(cfg, sequences, lambda *a: None, {}, level_ratio, gated, div_token_rejected,
+        _, first_masks, _ = _weigh(cfg, sequences, lambda *a: None, {}, level_ratio, gated, after_token,
                                    div_seq_rejected, [math.inf] * len(sequences), stale, None)
         kept_counts = [sum(m != 0.0 for m in mask) for mask in first_masks]
         population = [(level_ratio(cfg.tis_level, None, toks), kept)
@@ -252,7 +278,7 @@ def reference(cfg, train_log_probs, rollout_log_probs, loss_masks, lags=None):
                         ("ess_after_bound", ess_after)):
         for i, toks in enumerate(sequences):
             put(name, i, [value] * len(toks))
-    return _weigh(cfg, sequences, put, metrics, level_ratio, gated, div_token_rejected, div_seq_rejected,
+    return _weigh(cfg, sequences, put, metrics, level_ratio, gated, after_token, div_seq_rejected,
                   [upper] * len(sequences), stale, lags)
 
 

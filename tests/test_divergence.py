@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_batch
+from conftest import random_advantages, random_batch
 from test_reference_equivalence import assert_matches_reference
 
 from miles_mis import MisConfig, compute_mis_weights
@@ -136,13 +136,15 @@ def _threshold(option):
     """A threshold that makes the option bite on part of these batches."""
     if option.endswith("k1"):
         return [0.8, 1.25] if option.startswith("token") else [0.6, 1.6] if "sum" in option else [0.95, 1.05]
-    if option.endswith("_tv"):  # p − q in [−α, β]
+    if option.endswith(("_tv", "_dtv")):  # p − q in [−α, β]
         return [-0.05, 0.04] if option.startswith("token") else [-0.01, 0.01]
     return 0.02 if option.startswith("token") or "mean" in option else 0.1
 
 
 DIVERGENCE_CONFIGS = [{option: _threshold(option)} for option in DIVERGENCE_OPTIONS]
-DIVERGENCE_CONFIGS += [{"token_k3": 0.02, "seq_mean_k1": [0.95, 1.05], "seq_max_k2": 0.05}]
+DIVERGENCE_CONFIGS += [{"token_k3": 0.02, "seq_mean_k1": [0.95, 1.05], "seq_max_k2": 0.05},
+                       # directional with the others: DPPO's token rule beside VACO's gate and a sequence rejection
+                       {"token_dtv": [-0.05, 0.04], "seq_mean_datv": 0.01, "seq_mean_dbkl": 0.002, "seq_max_k3": 0.05}]
 
 
 @pytest.mark.parametrize("divergence", DIVERGENCE_CONFIGS, ids=lambda d: "+".join(d))
@@ -152,7 +154,8 @@ def test_fast_path_matches_reference(divergence, level):
                     rs_level="token", rs_lower_bound=0.7, rs_upper_bound=1.4, rs_veto_threshold=0.6,
                     tis_batch_normalize=True, rs_divergence=divergence)
     for seed in range(3):
-        assert_matches_reference(cfg, *random_batch(seed, noise=0.15, nonfinite=seed == 2))
+        train, rollout, masks = random_batch(seed, noise=0.15, nonfinite=seed == 2)
+        assert_matches_reference(cfg, train, rollout, masks, advantages=random_advantages(masks, seed))
 
 
 def test_preset_use_tis_and_exclusive_bounds_spelling(tmp_path):

@@ -32,12 +32,15 @@ def _bounds(combo):
                 rs_upper_bound=rs_upper)
 
 
-def assert_matches_reference(cfg, train, rollout, masks, lags=None):
-    """``lags``: each sequence's version lag (passed as ``version_lags``), or None."""
+def assert_matches_reference(cfg, train, rollout, masks, lags=None, advantages=None):
+    """``lags``: each sequence's version lag (passed as ``version_lags``), or None; ``advantages``: per sequence, or
+    None."""
     extra = {} if lags is None else {"version_lags": lags}
+    if advantages is not None:
+        extra["advantages"] = advantages
     weights, out_masks, metrics = compute_mis_weights(cfg, train_log_probs=train, rollout_log_probs=rollout,
                                                       loss_masks=masks, **extra)
-    ref_weights, ref_masks, ref_metrics = reference(cfg, train, rollout, masks, lags)
+    ref_weights, ref_masks, ref_metrics = reference(cfg, train, rollout, masks, lags, advantages)
     for i, (m, rm) in enumerate(zip(out_masks, ref_masks)):
         assert m.tolist() == rm, f"mask of sequence {i}"
     if ref_weights is None:
