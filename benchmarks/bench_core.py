@@ -30,7 +30,12 @@ without lags, the same call with ``version_lags`` (random lags 0..4: the lag-buc
 lag-aware keys too (``tis_upper_bound_by_lag`` and the ``rs_max_lag`` / ``rs_max_lag_k3`` gate), interleaved;
 then the aten operations per call without lags and with them at B=8 and B=512.
 
-    python benchmarks/bench_core.py [--repeats 15] [--lags]
+With ``--trust-regions``, instead: the cost of the probability-space ``rs_divergence`` options (binary TV and KL,
+DPPO's directional token rule and VACO's gate, with advantages) and of a ratio option for scale, each against the
+default call, interleaved; then the aten operations per call (and the default call's with advantages passed but
+not read: the same count).
+
+    python benchmarks/bench_core.py [--repeats 15] [--lags | --trust-regions]
 """
 
 from __future__ import annotations
@@ -409,14 +414,64 @@ def lag_costs(repeats: int) -> None:
         print(f"aten ops per call at B={num_seqs}: {without} without lags, {with_lags} with them")
 
 
+def _with_options(options: dict) -> MisConfig:
+    return MisConfig(**dict(CONFIG.to_dict(), rs_divergence=options))
+
+
+TRUST_REGION_CONFIGS = {  # name -> (config, passes advantages)
+    "ratio k1": (_with_options({"token_k1": [0.5, 2.0]}), False),
+    "atv": (_with_options({"token_atv": 0.05}), False),
+    "bkl": (_with_options({"token_bkl": 0.01}), False),
+    "dppo dtv": (_with_options({"token_dtv": [-0.2, 0.2]}), True),
+    "vaco datv": (_with_options({"seq_mean_datv": 0.05}), True),
+}
+
+
+def trust_region_costs(repeats: int) -> None:
+    """The default list call against the same call with each probability-space option (and a ratio option for
+    scale), interleaved; then the aten operations per call, and the default call's with advantages passed."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians in ms of the list entry point, "
+          "interleaved (target: an option at most 10% of a default call)")
+    names = list(TRUST_REGION_CONFIGS)
+    print(f"{'B':>5} {'T':>5} {'tokens':>7} {'default':>8} " + " ".join(f"{name + ' %':>11}" for name in names))
+    for num_seqs, max_len in [(64, 512), (256, 1024), (1024, 128), (4096, 64)]:
+        inputs = make_inputs(num_seqs, max_len)
+        pg_loss = torch.ones(sum(inputs["response_lengths"]))
+        advantages = [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(inputs["response_lengths"])]
+        calls = [lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs)]
+        for config, needs in TRUST_REGION_CONFIGS.values():
+            extra = {"advantages": advantages} if needs else {}
+            calls.append(lambda config=config, extra=extra: compute_mis_weights_with_cp(config, pg_loss=pg_loss,
+                                                                                         **inputs, **extra))
+        plain, *timed = interleaved_medians_ms(*calls, repeats=repeats)
+        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {plain:>8.2f} "
+              + " ".join(f"{100 * (t - plain) / plain:>10.1f}%" for t in timed))
+    inputs = make_inputs(512, 64, seed=1)
+    pg_loss = torch.ones(sum(inputs["response_lengths"]))
+    advantages = [torch.ones(n) for n in inputs["response_lengths"]]
+    default = count_aten_ops(lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs))
+    unread = count_aten_ops(lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, advantages=advantages,
+                                                                **inputs))
+    counts = {name: count_aten_ops(lambda config=config, needs=needs: compute_mis_weights_with_cp(
+        config, pg_loss=pg_loss, **inputs, **({"advantages": advantages} if needs else {})))
+        for name, (config, needs) in TRUST_REGION_CONFIGS.items()}
+    print(f"aten ops per call at B=512: default {default}, default with advantages passed (not read) {unread}; "
+          + ", ".join(f"{name} {count}" for name, count in counts.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--lags", action="store_true", help="the cost of per-sequence lags instead")
+    parser.add_argument("--trust-regions", action="store_true",
+                        help="the cost of the probability-space rs_divergence options instead")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.lags:
         lag_costs(args.repeats)
+        return
+    if args.trust_regions:
+        trust_region_costs(args.repeats)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis)")
     print("medians in ms, list/packed/padded/list I/O run interleaved, then per-seq interleaved with list "

@@ -230,8 +230,8 @@ def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor],
     columns = []
     for name in layout.sum_names:
         kind, what = name.split(":")
-        if name in GATED_SUMS:
-            columns.append(per_seq_sum(gated[name]))
+        if name in GATED_SUMS:  # (metrics-only: no gate acts, zeros hold the place)
+            columns.append(per_seq_sum(gated[name] if gated else torch.zeros_like(usable)))
         elif what == "any_token_option":
             rejected_any = torch.zeros_like(usable)
             for keep in kept.values():
@@ -244,7 +244,7 @@ def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor],
     for name in layout.max_names:
         kind, what = name.split(":")
         if name in GATED_MAXES:
-            columns.append(per_seq_max(gated[name]))
+            columns.append(per_seq_max(gated[name] if gated else torch.zeros_like(usable)))
             continue
         value = estimators[statistic_of(split_option(what)[1]) if what.startswith("token") else what]
         value = -value if kind == "negmin" else value

@@ -250,6 +250,7 @@ def draw_batch(rng: random.Random, gen: torch.Generator, fmt: str, sigma: float)
     extras = dict(cotangent=torch.randn(num_tokens, generator=gen).to(pg_dtype),  # d(objective)/d(returned pg_loss)
                   current=[c + 0.05 * torch.randn(c.shape, generator=gen) for c in clean],  # π_θ, always finite
                   advantages=[torch.randn(n, generator=gen) * 0.3 + rng.gauss(0.0, 1.0) for n in responses])
+    full["advantages"] = extras["advantages"]  # every entry point gets them (the directional options read them)
     return full, pg_loss, extras, (f"sigma={sigma:.3g}, bias={bias:.3g}, spikes={spikes}x{spike_scale:.3g}, mask "
                                    f"{dtype}, log-probs {train[0].dtype if train else None}, pg_loss {pg_dtype}")
 
@@ -534,7 +535,8 @@ def _check_fsdp(case, findings: Findings, reference) -> None:
     leaf = case.pg_loss.detach().clone().requires_grad_()
     out, masks, metrics = compute_mis_weights_fsdp(
         case.args, pg_loss=leaf, train_log_probs=full["train_log_probs"], rollout_log_probs=full["rollout_log_probs"],
-        loss_masks=full["loss_masks"], total_lengths=full["total_lengths"], response_lengths=lengths)
+        loss_masks=full["loss_masks"], total_lengths=full["total_lengths"], response_lengths=lengths,
+        advantages=full["advantages"])
     if out.requires_grad:
         out.backward(case.extras["cotangent"])
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -584,7 +586,7 @@ def _check_list_and_packed(case, findings: Findings, reference, weights) -> None
     # compute_mis_weights: per-sequence lists
     w_list, m_list, metric_lists = compute_mis_weights(forms[case.index % 3], train_log_probs=full["train_log_probs"],
                                                        rollout_log_probs=full["rollout_log_probs"],
-                                                       loss_masks=full["loss_masks"])
+                                                       loss_masks=full["loss_masks"], advantages=full["advantages"])
     if use_tis:
         if findings.check(case, _cp1("list weights"), w_list is not None and len(w_list) == len(lengths)
                           and all(w.shape == (k,) for w, k in zip(w_list, lengths)),
@@ -613,7 +615,7 @@ def _check_list_and_packed(case, findings: Findings, reference, weights) -> None
     w_packed, m_packed, metrics_packed = compute_mis_weights_packed(
         forms[(case.index + 1) % 3], train_log_probs=cat(full["train_log_probs"]),
         rollout_log_probs=cat(full["rollout_log_probs"]), loss_mask=cat(full["loss_masks"], mask_dtype),
-        cu_seqlens=cu_seqlens)
+        cu_seqlens=cu_seqlens, advantages=cat(full["advantages"]))
     if use_tis:
         findings.check(case, _cp1("packed weights"), w_packed is not None and same_bits(w_packed, weights),
                        lambda: "None" if w_packed is None

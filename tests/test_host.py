@@ -299,3 +299,23 @@ def test_the_host_hands_the_batch_lags_to_the_plugin(entry, tmp_path):
         assert float(metrics["mis_rs_stale_seq_fraction"]) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="rs_max_lag needs each sequence's lag"):
         host.policy_loss(args, batch, current)
+
+
+@pytest.mark.parametrize("entry", [PLUGIN, "miles_mis.compute_mis_weights_packed"])
+def test_prime_rl_default_on_the_host_masks_by_the_advantage_sign(entry, tmp_path):
+    """prime-rl's default loss as a mis.yaml: REINFORCE weighted by π_θ/μ, tokens masked when π_θ − μ leaves
+    [−0.2, 0.2] in the direction of their update (the host hands its advantages to the plugin)."""
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_policy: current\nrs_divergence: {token_dtv: [-0.2, 0.2]}\ntis_upper_bound: 485165195.4\n")
+    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", entry,
+                            "--custom-config-path", str(config), "--pass-current-log-probs"])
+    gaps_rollout, advantages = [1.0, -1.0, 1.0, -1.0, 0.05, 1.5], [1.0, -1.0, -1.0, 1.0, 1.0, 0.0]
+    batch, current = make_batch([[0.0] * 6], [gaps_rollout], [advantages], seed=3)
+    _, metrics, (grad,) = grads(args, batch, current)
+    p = current[0].detach().double().exp()
+    delta = p - (current[0].detach().double() - torch.tensor(gaps_rollout, dtype=torch.float64)).exp()
+    masked = [(a > 0 and d > 0.2) or (a < 0 and d < -0.2) for a, d in zip(advantages, delta.tolist())]
+    assert masked[:4] == [True, True, False, False]  # both signs masked; the wrong-direction twins kept
+    want = [0.0 if m else -a * math.exp(g) / 6 for a, g, m in zip(advantages, gaps_rollout, masked)]
+    assert grad.tolist() == pytest.approx(want, rel=1e-5)
+    assert float(metrics["mis_rs_token_dtv_masked_token_fraction"]) == pytest.approx(sum(masked) / 6)

@@ -258,7 +258,7 @@ def test_bad_advantages_raise_one_line_naming_what_is_wrong(change, message):
 
 def test_advantages_are_ignored_where_no_option_reads_them():
     train, rollout, masks = random_batch(2)
-    options = {"token_dtv": [-0.1, 0.1]}
+    options = {"token_dtv": [-0.1, 0.1], "seq_mean_dbkl": 0.01}
     # metrics-only: the directional options act on nothing, so no advantages are needed (one YAML for both modes)
     _, out, _ = compute_mis_weights(MisConfig(use_tis=False, rs_divergence=options), train_log_probs=train,
                                     rollout_log_probs=rollout, loss_masks=masks)

@@ -165,6 +165,7 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
     """Call the correction function on ``pg_loss``: (the corrected loss, the reducer of the returned masks). Adds
     ``ois`` and the function's metrics, reduced with the ORIGINAL masks, to ``metrics``."""
     extra = dict(prepared.lag_kwargs)  # the optional kwargs: lags as the batch holds them, the current policy
+    extra["advantages"] = prepared.advantages  # flat, this rank's tokens, as slime PR 1912 passes them
     if getattr(args, "pass_current_log_probs", False):
         extra["cur_log_probs"] = prepared.log_probs
     if prepared.packed_config is not None:  # compute_mis_weights_packed: flat tensors and cu_seqlens (cp 1)
@@ -212,8 +213,8 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
 
     The per-sequence tensors are concatenated and ``cu_seqlens`` is built from ``response_lengths``
     (whole sequences: the local lengths are the response lengths). Metrics-only (``weights`` None): ``pg_loss``
-    unchanged and the input mask values. ``kwargs``: the lags, passed on as they are, and ``cur_log_probs``
-    (per sequence), passed on concatenated as ``current_log_probs``.
+    unchanged and the input mask values. ``kwargs``: the lags and the (flat) advantages, passed on as they are, and
+    ``cur_log_probs`` (per sequence), passed on concatenated as ``current_log_probs``.
     """
     def flat(values: Sequence[Tensor]) -> Tensor:
         return torch.cat(list(values)) if len(values) else torch.zeros(0)
@@ -222,7 +223,7 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     rollout = None if rollout_log_probs is None else flat(rollout_log_probs)
     mask = flat(loss_masks).to(train.device)
     cu_seqlens = torch.tensor([0, *response_lengths], dtype=torch.long, device=train.device).cumsum(0)
-    extra = {key: kwargs[key] for key in LAG_KWARGS if kwargs.get(key) is not None}
+    extra = {key: kwargs[key] for key in (*LAG_KWARGS, "advantages") if kwargs.get(key) is not None}
     if kwargs.get("cur_log_probs") is not None:
         extra["current_log_probs"] = flat([t.detach() for t in kwargs["cur_log_probs"]])
     weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,

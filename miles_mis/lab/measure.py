@@ -69,33 +69,15 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     from ..analyze.command import analyze
 
     started = time.perf_counter()
-    policy = policy or make_policy(args)
-    engine = engine or policy.make_engine()
-    generator = torch.Generator().manual_seed(args.seed + 2)
     temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-") if args.dump_details is None else None
     dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
     dumper = PolicyLossDumper(dump_dir, 0)
     old_all, rollout_all, rewards = [], [], []
-    for batch_index in range(args.batches):
-        prompts = policy.sample_prompts(generator)
-        responses, rollout_log_probs = engine.generate(prompts.tokens, policy.max_new_tokens)
-        batch_rewards = policy.rewards(prompts, responses)
-        sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
-        old_log_probs, _ = policy.old_log_probs(sequences, prompts.lengths)
-        advantages = group_advantages(batch_rewards, args.group_size)
-        batch = {"advantages": [torch.full((r.numel(),), float(a)) for r, a in zip(responses, advantages)],
-                 "log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs,
-                 "loss_masks": [torch.ones(r.numel()) for r in responses],
-                 "response_lengths": [r.numel() for r in responses], "total_lengths": [s.numel() for s in sequences]}
-        dumper.call(1, lambda: policy_loss_record(args, batch, old_log_probs, batch["loss_masks"]))
-        old_all += old_log_probs
-        rollout_all += rollout_log_probs
+    for batch, batch_rewards in rollout_batches(args, progress, engine, policy):
+        dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
+        old_all += batch["log_probs"]
+        rollout_all += batch["rollout_log_probs"]
         rewards.append(batch_rewards)
-        if progress:
-            k3 = raw_mismatch(old_log_probs, rollout_log_probs)["raw_k3"]
-            print(f"measure {batch_index + 1}/{args.batches} {setting_name(args)}: k3 {k3:.2e} reward "
-                  f"{float(batch_rewards.mean()):.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr,
-                  flush=True)
     row = {"model": args.model, "engine": args.engine, "setting": setting_name(args),
            **mismatch_summary(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
            **_live_location(old_all, rollout_all)}
@@ -110,6 +92,32 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     if temporary is not None:
         temporary.cleanup()
     return row
+
+
+def rollout_batches(args: argparse.Namespace, progress: bool = True, engine=None, policy=None):
+    """``args.batches`` rollout batches from the model's initial weights, each as (a miles-style batch: advantages,
+    log_probs (π_old, the float32 trainer's), rollout_log_probs, loss_masks, lengths; the samples' rewards)."""
+    started = time.perf_counter()
+    policy = policy or make_policy(args)
+    engine = engine or policy.make_engine()
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    for batch_index in range(args.batches):
+        prompts = policy.sample_prompts(generator)
+        responses, rollout_log_probs = engine.generate(prompts.tokens, policy.max_new_tokens)
+        batch_rewards = policy.rewards(prompts, responses)
+        sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
+        old_log_probs, _ = policy.old_log_probs(sequences, prompts.lengths)
+        advantages = group_advantages(batch_rewards, args.group_size)
+        batch = {"advantages": [torch.full((r.numel(),), float(a)) for r, a in zip(responses, advantages)],
+                 "log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs,
+                 "loss_masks": [torch.ones(r.numel()) for r in responses],
+                 "response_lengths": [r.numel() for r in responses], "total_lengths": [s.numel() for s in sequences]}
+        if progress:
+            k3 = raw_mismatch(old_log_probs, rollout_log_probs)["raw_k3"]
+            print(f"measure {batch_index + 1}/{args.batches} {setting_name(args)}: k3 {k3:.2e} reward "
+                  f"{float(batch_rewards.mean()):.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr,
+                  flush=True)
+        yield batch, batch_rewards
 
 
 def mismatch_summary(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
