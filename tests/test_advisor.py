@@ -107,14 +107,19 @@ def test_metrics_only_is_the_uncorrected_baseline_and_no_advantages_give_none():
     MisConfig.preset("seq_tis", use_tis=True), MisConfig.preset("metrics_only", use_tis=True),
     MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_tv": [-0.2, 0.2]}),
     MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_bkl": 0.01}),
-], ids=["token-truncate", "token-icepop", "mis", "geo_rs", "seq_tis", "metrics_only", "binary-tv", "binary-kl"])
+    MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_dtv": [-0.2, 0.2]}),
+], ids=["token-truncate", "token-icepop", "mis", "geo_rs", "seq_tis", "metrics_only", "binary-tv", "binary-kl",
+        "dppo"])
 def test_numbers_are_those_of_compute_mis_weights(config):
-    """The evaluator runs the plugin's steps itself; the numbers must be the public API's."""
+    """The evaluator runs the plugin's steps itself; the numbers must be the public API's (the directional
+    candidate with the dump's advantages)."""
     old, rollout, masks = random_batch(3, num_seqs=16, noise=0.4 if config.tis_level == "token" else 0.002,
                                        nonfinite=True)
-    [row] = evaluate({"c": config}, call_batch(old, rollout, masks)).values()
+    gen = torch.Generator().manual_seed(3)
+    advantages = [torch.randn(t.numel(), generator=gen) for t in old]
+    [row] = evaluate({"c": config}, call_batch(old, rollout, masks, advantages)).values()
     weights, new_masks, metrics = compute_mis_weights(config, train_log_probs=old, rollout_log_probs=rollout,
-                                                      loss_masks=masks)
+                                                      loss_masks=masks, advantages=advantages)
     valid = torch.cat(masks) != 0
     kept = (torch.cat(new_masks) != 0) & valid
     w = torch.cat(weights).double() if weights is not None else valid.double()
@@ -215,6 +220,7 @@ def test_grid_from_quantiles():
     assert grid["token_truncate_U2_atv0.05"].rs_divergence == (("token_atv", None, 0.05),)
     assert grid["token_truncate_U2_bkl0.01"].rs_divergence == (("token_bkl", None, 0.01),)
     assert grid["token_truncate_U2_bkl0.01"].tis_upper_bound == 2.0
+    assert grid["token_truncate_U2_dtv0.2"].rs_divergence == (("token_dtv", -0.2, 0.2),)
 
 
 def test_grid_skips_missing_and_invalid_quantiles():

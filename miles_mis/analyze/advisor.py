@@ -35,7 +35,8 @@ IcePop modes; the usual constant bounds (token [0.5, 2] and U = 2, sequence [0.5
 they are quantiles of token ratios,
 truncation at q0.99 and q0.999 when exp(q) > 1: truncating at U ≤ 1 would bound the typical token); veto
 variants (1e-4, 1e-6) of the main families; token truncation at U = 2 with a token mask in probability space
-(binary TV p − q in [−0.2, 0.2] as prime-rl writes DPPO's, |p − q| ≤ 0.05, binary KL ≤ 0.01); every shipped preset (``preset:<name>``, ``use_tis`` on unless the
+(binary TV p − q in [−0.2, 0.2], |p − q| ≤ 0.05, binary KL ≤ 0.01, and prime-rl's directional [−0.2, 0.2], which
+reads the dump's advantages: a sequence without them counts as A = 0, never masked); every shipped preset (``preset:<name>``, ``use_tis`` on unless the
 preset sets it, so ``preset:metrics_only`` is the uncorrected baseline).
 
 The recommendation (``recommend``) follows stated rules, heuristics and not a guarantee:
@@ -69,6 +70,7 @@ import torch
 from torch import Tensor
 
 from .. import core
+from ..advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files
 from ..plugin import pack_sequences
 
@@ -98,7 +100,7 @@ _VETO_BASES = ("token_truncate_U2", "token_mask_0.5_2", "token_icepop_0.5_2", "g
 # token truncation at U = 2 plus a token mask in probability space (divergence.py): DPPO's binary TV as prime-rl
 # writes it, a tighter |p − q|, and the binary KL
 _PROBABILITY_MASKS = (("tv0.2", {"token_tv": [-0.2, 0.2]}), ("atv0.05", {"token_atv": 0.05}),
-                      ("bkl0.01", {"token_bkl": 0.01}))
+                      ("bkl0.01", {"token_bkl": 0.01}), ("dtv0.2", {"token_dtv": [-0.2, 0.2]}))
 
 
 # ---------------------------------------------------------------------------------------------- the grid
@@ -176,6 +178,7 @@ class _Prepared:
     advantages: Tensor  # [N] float32 A_t on valid tokens with an advantage, else 0 (NaN/inf advantages: 0)
     abs_advantages: Tensor  # [N] |A_t|
     sums: dict[str, float]  # valid, sequences, abs_adv, adv_tokens
+    directional: Any  # the packed batch with the advantages' signs, for the directional candidates
 
 
 class CandidateEvaluator:
@@ -245,7 +248,8 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
     sums = {"valid": float(valid.sum(dtype=torch.float64)),
             "sequences": float((packed.batch.per_seq_sum(valid) > 0).sum()),
             "abs_adv": float(magnitude.sum(dtype=torch.float64)), "adv_tokens": float(has.sum(dtype=torch.float64))}
-    return _Prepared(packed, flat, magnitude, sums)
+    directional = dataclasses.replace(packed.batch, advantage_signs=flat.sign())
+    return _Prepared(packed, flat, magnitude, sums, directional)
 
 
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
@@ -254,7 +258,7 @@ def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float]
     As ``compute_mis_weights``: token_terms -> local_seq_stats -> finalize on the packed call. Elementwise in
     float32, sums accumulated in float64.
     """
-    batch = prepared.packed.batch
+    batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
     terms = core.token_terms(batch, config)
     correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
     keep = correction.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
