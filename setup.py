@@ -16,7 +16,7 @@ setup(
     package_data={"miles_mis.configs": ["*.yaml"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib"],
+        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb"],
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
         "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs

@@ -141,7 +141,7 @@ def mask_config(mask: str, row: dict) -> dict:
     return dict(BASE, rs_divergence=options)
 
 
-def rl(seeds: int, steps: int, out_dir: Path) -> None:
+def rl(seeds: int, steps: int, out_dir: Path, masks: tuple[str, ...] = MASKS) -> None:
     import yaml
 
     from miles_mis.lab.train import PLUGIN, parse_args, train
@@ -150,7 +150,7 @@ def rl(seeds: int, steps: int, out_dir: Path) -> None:
     if RL_SETTING not in token_rows:
         raise SystemExit(f"rl needs the tokens row of {RL_SETTING!r}: run the tokens part first")
     done = {(r["mask"], r["seed"]) for r in read("rl") if r["steps"] == steps}
-    todo = [(mask, seed) for seed in range(seeds) for mask in MASKS if (mask, seed) not in done]
+    todo = [(mask, seed) for seed in range(seeds) for mask in masks if (mask, seed) not in done]
     print(f"rl: {len(todo)} runs to do ({len(done)} done)", file=sys.stderr, flush=True)
     for count, (mask, seed) in enumerate(todo, 1):
         run_dir = out_dir / mask / f"seed{seed}"
@@ -182,26 +182,28 @@ def _cell(value) -> str:
 
 
 def tokens_table(rows: list[dict]) -> str:
+    """Per setting: the matched thresholds, the overlap and what each mask rejects; then, per bucket of the engine's
+    probability q, the fraction of its tokens each mask rejects at each target."""
     lines = []
     for row in rows:
+        targets = row["targets"]
         lines += [f"**{row['setting']}** ({row['tokens']} tokens, {row['sequences']} samples, k3 {row['k3']:.2e})", "",
-                  "| target | ratio mask U | TV δ | q bucket | tokens | ratio rejects | TV rejects | DPPO rejects | "
-                  "share of ratio's | share of TV's |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for entry in row["targets"]:
-            for k, name in enumerate(_bucket_names()):
-                head = (f"{entry['target']:.1%} (ratio {entry['ratio_mask']['fraction']:.2%}, TV "
-                        f"{entry['tv_mask']['fraction']:.2%}, DPPO {entry['dppo_mask']['fraction']:.2%}) | "
-                        f"{entry['ratio_bound']:.3f} | {entry['tv_delta']:.4f}" if k == 0 else " | | ")
-                lines.append(f"| {head} | {name} | {row['bucket_share'][k]:.1%} | "
-                             f"{_cell(entry['ratio_mask']['by_bucket'][k])} | {_cell(entry['tv_mask']['by_bucket'][k])} | "
-                             f"{_cell(entry['dppo_mask']['by_bucket'][k])} | {entry['ratio_mask']['where'][k]:.0%} | "
-                             f"{entry['tv_mask']['where'][k]:.0%} |")
-        lines += ["", "| target | overlap (of the ratio mask's) | ratio mask: mean |p − q|, mean |log ρ| | "
-                  "TV mask: mean |p − q|, mean |log ρ| |", "|---|---|---|---|"]
-        for entry in row["targets"]:
-            r, t = entry["ratio_mask"], entry["tv_mask"]
-            lines.append(f"| {entry['target']:.1%} | {entry['overlap']:.0%} | {r['mean_abs_delta']:.4f}, "
-                         f"{r['mean_abs_log_ratio']:.3f} | {t['mean_abs_delta']:.4f}, {t['mean_abs_log_ratio']:.3f} |")
+                  "| target | ratio mask [1/U, U] | TV mask δ | rejected: ratio, TV, DPPO | overlap | ratio's from q < 0.1 "
+                  "| TV's from q < 0.1 | mean abs(p − q): ratio, TV | mean abs(log ρ): ratio, TV |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in targets:
+            r, t, d = e["ratio_mask"], e["tv_mask"], e["dppo_mask"]
+            low = lambda mask: sum(mask["where"][:3])  # noqa: E731 (the buckets below q = 0.1)
+            lines.append(f"| {e['target']:.1%} | U = {e['ratio_bound']:.3f} | {e['tv_delta']:.4f} | "
+                         f"{r['fraction']:.2%}, {t['fraction']:.2%}, {d['fraction']:.2%} | {e['overlap']:.0%} | "
+                         f"{low(r):.0%} | {low(t):.0%} | {r['mean_abs_delta']:.4f}, {t['mean_abs_delta']:.4f} | "
+                         f"{r['mean_abs_log_ratio']:.3f}, {t['mean_abs_log_ratio']:.3f} |")
+        header = " | ".join(f"{e['target']:.1%}: ratio | TV | DPPO" for e in targets)
+        lines += ["", f"| q bucket | tokens | {header} |", "|---|---|" + "---|" * (3 * len(targets))]
+        for k, name in enumerate(_bucket_names()):
+            cells = " | ".join(f"{_cell(e['ratio_mask']['by_bucket'][k])} | {_cell(e['tv_mask']['by_bucket'][k])} | "
+                               f"{_cell(e['dppo_mask']['by_bucket'][k])}" for e in targets)
+            lines.append(f"| {name} | {row['bucket_share'][k]:.1%} | {cells} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -241,11 +243,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="rl: steps per run (default 40)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_trust_region"),
                         help="rl: run folders (default runs/lab_trust_region)")
+    parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS),
+                        help=f"rl: the masks to run (default {' '.join(MASKS)})")
     args = parser.parse_args()
     if args.part == "tokens":
         tokens(args.batches)
     elif args.part == "rl":
-        rl(args.seeds, args.steps, args.out_dir)
+        rl(args.seeds, args.steps, args.out_dir, tuple(args.masks))
     else:
         print(tokens_table(read("tokens")))
         print(rl_table(read("rl")))

@@ -291,12 +291,57 @@ def test_torchrun_cp2_equals_cp1(tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
-def test_wandb_offline(tmp_path, monkeypatch):
+def _offline_logs(out_dir) -> list:
+    """The transaction logs of the offline W&B runs under ``out_dir``, oldest first."""
+    return sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+
+
+def test_wandb_offline_run_holds_what_metrics_jsonl_holds_and_the_config(tmp_path, monkeypatch):
+    """Read back from the run's own transaction log (tests/wandb_reader.py): every logged key and value of every
+    step equals metrics.jsonl's, the step axis is the RL step, the config holds the flags and the effective
+    mis.yaml; offline, with an unreachable server set, so nothing could have been sent anywhere."""
     pytest.importorskip("wandb")
+    import wandb_reader
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    lab(tmp_path, "--wandb-project", "miles-mis-test", steps=2, name="wb")
-    assert any((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: any request would fail
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_upper_bound: 1.5\nrs_divergence: {token_atv: 0.3}\n")
+    plugin = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+              "--custom-config-path", str(config)]
+    lab(tmp_path, *plugin, "--wandb-project", "miles-mis-test", steps=2, name="wb")
+    out_dir = tmp_path / "wb"
+    [log] = _offline_logs(out_dir)
+    rows = read(out_dir / "metrics.jsonl")
+    logged = wandb_reader.history(log)
+    assert [r["_step"] for r in logged] == [1, 2] == [r["step"] for r in rows]
+    for got, want in zip(logged, rows):
+        assert set(got) - {"_step"} == set(want)
+        assert all(got[key] == pytest.approx(want[key], rel=1e-12) for key in want)
+    assert "mis_rs_token_atv_masked_token_fraction" in rows[-1]
+    run_config = wandb_reader.config(log)
+    assert run_config["mis"]["tis_upper_bound"] == 1.5 and run_config["mis"]["rs_divergence"] == {"token_atv": 0.3}
+    assert run_config["use_tis"] is True and run_config["steps"] == 2 and run_config["custom_config_path"] == str(config)
+    assert (out_dir / "wandb_run_id").read_text().strip() == wandb_reader.run_id(log)
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
+    """--resume logs the remaining steps to the run of the same id (a new offline folder; `wandb sync` joins them)."""
+    pytest.importorskip("wandb")
+    import wandb_reader
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lab(tmp_path, "--wandb-project", "miles-mis-test", "--save-interval", "1", steps=2, name="wb")
+    lab(tmp_path, "--wandb-project", "miles-mis-test", "--resume", steps=3, name="wb")
+    first, second = _offline_logs(tmp_path / "wb")
+    assert wandb_reader.run_id(first) == wandb_reader.run_id(second)
+    assert [r["_step"] for r in wandb_reader.history(first)] == [1, 2]
+    assert [r["_step"] for r in wandb_reader.history(second)] == [3]
+    assert wandb_reader.history(second)[0]["reward"] == pytest.approx(read(tmp_path / "wb" / "metrics.jsonl")[2]["reward"])
+    lab(tmp_path, "--wandb-project", "miles-mis-test", steps=1, name="wb")  # not --resume: a new run
+    assert wandb_reader.run_id(_offline_logs(tmp_path / "wb")[-1]) != wandb_reader.run_id(first)
 
 
 # ---------------------------------------------------------------- issue 11 features from the lab's flags

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -550,15 +551,29 @@ def written_files(args: argparse.Namespace, since: float = 0.0) -> str:
     return f"wrote {', '.join(parts)}" if parts else f"wrote nothing under {out_dir}"
 
 
+WANDB_ID_FILE = "wandb_run_id"  # in out-dir: the W&B run a --resume continues
+
+
 def _wandb(args: argparse.Namespace, out_dir: Path):
+    """The W&B run of this lab run (None without --wandb-project): logged at each RL step (``step`` = the RL step),
+    its config the flags and, under ``mis``, the plugin's effective config (MisConfig from the flags and the merged
+    --custom-config-path YAML; None without a custom correction function). A fresh run gets a new id, kept in
+    out-dir/wandb_run_id; --resume continues the run of that id. WANDB_MODE=offline writes it under out-dir/wandb."""
     if not args.wandb_project:
         return None
     try:
         import wandb
     except ImportError as error:
         raise ValueError("--wandb-project needs the wandb package: pip install 'miles-mis[wandb]'") from error
-    return wandb.init(project=args.wandb_project, dir=str(out_dir), config={k: str(v) for k, v in vars(args).items()},
-                      name=out_dir.name, resume="allow")
+    from ..config import MisConfig
+
+    id_file = out_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if args.resume and id_file.exists() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    flags = {k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, v in vars(args).items()}
+    mis = MisConfig.from_args(args).to_dict() if args.custom_tis_function_path else None
+    return wandb.init(project=args.wandb_project, dir=str(out_dir), config={**flags, "mis": mis}, name=out_dir.name,
+                      id=run_id, resume="allow")
 
 
 def main(argv: list[str] | None = None) -> int:
