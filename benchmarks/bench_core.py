@@ -35,12 +35,17 @@ DPPO's directional token rule and VACO's gate, with advantages) and of a ratio o
 default call, interleaved; then the aten operations per call (and the default call's with advantages passed but
 not read: the same count).
 
-    python benchmarks/bench_core.py [--repeats 15] [--lags | --trust-regions]
+With ``--device DEV``, instead: the list and packed entry points and the padded baseline on DEV (timed with CUDA
+events on a GPU), and the kernel launches, host syncs and aten operations of one call (the torch profiler;
+benchmarks/device_timing.py); ``--json FILE`` writes them (benchmarks/gpu_check.sh).
+
+    python benchmarks/bench_core.py [--repeats 15] [--lags | --trust-regions | --device cuda [--json F] [--quick]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -459,14 +464,65 @@ def trust_region_costs(repeats: int) -> None:
           + ", ".join(f"{name} {count}" for name, count in counts.items()))
 
 
+SHAPES = [(64, 512), (256, 1024), (1024, 128), (4096, 64)]
+
+
+def device_costs(device: torch.device, repeats: int, json_path: Path | None, shapes=SHAPES) -> dict:
+    """On ``device``: the list and packed entry points and the padded baseline (its tensors built on the device),
+    timed interleaved (CUDA events on a GPU, device_timing.py), checked equal first; then the kernel launches and
+    host syncs of one call of each entry point, from the profiler. Printed, and written to ``json_path``."""
+    from device_timing import interleaved_device_ms, launches_and_syncs
+
+    rows = []
+    print(f"torch {torch.__version__} on {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
+             f", {torch.get_num_threads()} threads") + "; medians in ms, interleaved")
+    print(f"{'B':>5} {'T':>5} {'tokens':>7} {'list':>7} {'packed':>7} {'padded':>7} {'pad/pack':>8} "
+          f"{'launches list/packed':>20} {'syncs list/packed':>17} {'reads list/packed':>17}")
+    for num_seqs, max_len in shapes:
+        cpu_inputs = make_inputs(num_seqs, max_len)
+        with torch.device(device):  # the baselines' own tensors (and the flat/padded copies) on the device too
+            inputs = {k: [t.to(device) for t in v] if k.endswith(("log_probs", "masks")) else v
+                      for k, v in cpu_inputs.items()}
+            pg_loss = torch.ones(sum(inputs["response_lengths"]))
+            flat = packed_inputs(inputs)
+            dense, real = padded_inputs(inputs)
+            check_same(inputs, pg_loss, flat, dense, real)
+            t_list, t_packed, t_padded = interleaved_device_ms(
+                lambda: ours(inputs, pg_loss), lambda: ours_packed(flat), lambda: padded(dense), repeats=repeats,
+                device=device)
+        counts = {"list": launches_and_syncs(lambda: ours(inputs, pg_loss), device),
+                  "packed": launches_and_syncs(lambda: ours_packed(flat), device)}
+        rows.append({"num_seqs": num_seqs, "max_len": max_len, "tokens": len(pg_loss), "list_ms": t_list,
+                     "packed_ms": t_packed, "padded_ms": t_padded, "counts": counts})
+        pick = lambda key: f"{counts['list'][key]}/{counts['packed'][key]}"  # noqa: E731
+        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {t_list:>7.2f} {t_packed:>7.2f} {t_padded:>7.2f} "
+              f"{t_padded / t_packed:>7.2f}x {pick('kernel_launches'):>20} {pick('host_syncs'):>17} "
+              f"{pick('scalar_reads'):>17}")
+    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else "cpu", "torch": torch.__version__, "repeats": repeats, "rows": rows}
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--lags", action="store_true", help="the cost of per-sequence lags instead")
     parser.add_argument("--trust-regions", action="store_true",
                         help="the cost of the probability-space rs_divergence options instead")
+    parser.add_argument("--device", default=None,
+                        help="instead: list, packed and padded on this device (cuda: CUDA events), with kernel launches "
+                             "and host syncs per call (default: the CPU comparison above)")
+    parser.add_argument("--json", type=Path, default=None, help="with --device: also write the results here")
+    parser.add_argument("--quick", action="store_true", help="with --device: the two smallest shapes only")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.device is not None:
+        device_costs(torch.device(args.device), args.repeats, args.json,
+                     sorted(SHAPES, key=lambda s: s[0] * s[1])[:2] if args.quick else SHAPES)
+        return
     if args.lags:
         lag_costs(args.repeats)
         return

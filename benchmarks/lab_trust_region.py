@@ -14,9 +14,10 @@ the plugin (``compute_mis_weights``, one call per batch, as in training), with D
 token: its share of the tokens, the fraction each mask rejects there, and where each mask's rejections are; plus
 the overlap of the two masks and the mean |p − q| and |log ρ| of what each rejects.
 
-rl: ``miles-mis train`` as benchmarks/lab_real_model.py's RL runs (8 prompts x 4 samples, lr 5e-5, 40 steps), the
+rl: ``miles-mis train`` as benchmarks/lab_real_model.py's RL runs (8 prompts x 4 samples, lr 5e-5; 20 steps), the
 standard PPO loss with token truncated IS at 2 (``decoupled_tis``) plus one mask, its thresholds from the tokens
-row of that setting at 2 %. The runs without a mask are lab_real_model_rl.jsonl's (same shape and seeds).
+row of that setting at 2 %. The runs without a mask are lab_real_model_rl.jsonl's (same shape and seeds), cut at
+the same step (a run is deterministic given its seed, so their first 20 steps are what a 20-step run gives).
 
 Each part appends one JSON line per finished item to benchmarks/results/lab_trust_region_<part>.jsonl and skips the
 items already there (an RL run also resumes from its checkpoint while its folder under --out-dir exists). Needs the
@@ -209,24 +210,29 @@ def tokens_table(rows: list[dict]) -> str:
 
 
 def rl_table(rows: list[dict]) -> str:
-    baseline = [r for r in read_real_model_rl() if r["setting"] == RL_SETTING
-                and r["algorithm"] in ("standard", "decoupled_tis")]
-    lines = ["| run | seeds | first 10 steps | last 10 steps | Δ | tokens rejected |", "|---|---|---|---|---|---|"]
-    cells = [(r["algorithm"], [x for x in baseline if x["algorithm"] == r["algorithm"]]) for r in baseline]
-    cells = list(dict(cells).items()) + [(f"decoupled_tis + {mask}", [r for r in rows if r["mask"] == mask])
-                                         for mask in MASKS]
+    """The masked runs beside lab_real_model_rl.jsonl's runs without a mask (same shape and seeds), all cut at the
+    masked runs' step count; first and last quarter of the steps."""
+    if not rows:
+        return ""
+    steps = min(r["steps"] for r in rows)
+    window = max(steps // 4, 1)
+    baseline = [dict(r, reward=r["reward"][:steps]) for r in read_real_model_rl()
+                if r["setting"] == RL_SETTING and r["algorithm"] in ("standard", "decoupled_tis") and r["steps"] >= steps]
+    cells = [(name, [r for r in baseline if r["algorithm"] == name]) for name in ("standard", "decoupled_tis")]
+    cells += [(f"decoupled_tis + {mask}", [r for r in rows if r["mask"] == mask and r["steps"] == steps])
+              for mask in MASKS]
+    lines = [f"| run ({RL_SETTING}, {steps} steps) | seeds | steps 1–{window} | steps {steps - window + 1}–{steps} | Δ | "
+             "tokens rejected |", "|---|---|---|---|---|---|"]
     for name, cell in cells:
         if not cell:
             continue
-        first = [statistics.mean(r["reward"][:10]) for r in cell]
-        last = [statistics.mean(r["reward"][-10:]) for r in cell]
+        first = [statistics.mean(r["reward"][:window]) for r in cell]
+        last = [statistics.mean(r["reward"][-window:]) for r in cell]
         spread = f" ± {statistics.stdev(last):.3f}" if len(last) > 1 else ""
         rejected = [v for r in cell for v in r.get("rejected", []) if v is not None]
         lines.append(f"| {name} | {len(cell)} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f}{spread} | "
                      f"{statistics.mean(last) - statistics.mean(first):+.3f} | "
-                     f"{statistics.mean(rejected):.2%} |" if rejected else
-                     f"| {name} | {len(cell)} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f}{spread} | "
-                     f"{statistics.mean(last) - statistics.mean(first):+.3f} | - |")
+                     + (f"{statistics.mean(rejected):.2%} |" if rejected else "- |"))
     return "\n".join(lines)
 
 
@@ -240,7 +246,7 @@ def main() -> None:
     parser.add_argument("part", choices=("tokens", "rl", "tables"))
     parser.add_argument("--batches", type=int, default=4, help="tokens: rollout batches per setting (default 4)")
     parser.add_argument("--seeds", type=int, default=2, help="rl: seeds per mask (default 2)")
-    parser.add_argument("--steps", type=int, default=40, help="rl: steps per run (default 40)")
+    parser.add_argument("--steps", type=int, default=20, help="rl: steps per run (default 20)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_trust_region"),
                         help="rl: run folders (default runs/lab_trust_region)")
     parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS),

@@ -7,6 +7,32 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 REPO = Path(__file__).resolve().parents[1]
+# The device the tensors of the device-aware tests live on (``pytest --device cuda``; benchmarks/gpu_check.sh): the
+# batch helpers below build their tensors on the CPU (seeded generators) and move them there. CPU by default.
+DEVICE = torch.device("cpu")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="the device of the device-aware tests' tensors (default cpu)")
+
+
+def pytest_configure(config):
+    global DEVICE
+    DEVICE = torch.device(config.getoption("--device"))
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def on_device(tensors):
+    """``tensors`` (a tensor or a list of them) on DEVICE."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.to(DEVICE)
+    return [t.to(DEVICE) for t in tensors]
 
 
 def random_batch(seed: int, num_seqs: int = 12, max_len: int = 40, noise: float = 0.3,
@@ -34,7 +60,7 @@ def random_batch(seed: int, num_seqs: int = 12, max_len: int = 40, noise: float 
         train.append(t)
         rollout.append(r)
         masks.append(m)
-    return train, rollout, masks
+    return on_device(train), on_device(rollout), on_device(masks)
 
 
 def random_advantages(masks, seed: int) -> list:
@@ -46,9 +72,9 @@ def random_advantages(masks, seed: int) -> list:
         value = (torch.randn(1, generator=gen) if i % 4 else torch.zeros(1)).expand(len(m)).clone()
         if i % 3 == 1:
             value = value + torch.randn(len(m), generator=gen)
-        value[m == 0] = float("nan")
+        value[m.cpu() == 0] = float("nan")
         out.append(value)
-    return out
+    return on_device(out)
 
 
 def call_plugin(cfg, train, rollout, masks, pg_loss=None):
@@ -56,7 +82,7 @@ def call_plugin(cfg, train, rollout, masks, pg_loss=None):
     from miles_mis import compute_mis_weights_with_cp
 
     n = sum(t.numel() for t in train)
-    pg_loss = torch.ones(n, requires_grad=True) if pg_loss is None else pg_loss
+    pg_loss = torch.ones(n, device=DEVICE, requires_grad=True) if pg_loss is None else pg_loss
     return compute_mis_weights_with_cp(cfg, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout,
                                        loss_masks=masks, total_lengths=[t.numel() + 5 for t in train],
                                        response_lengths=[t.numel() for t in train])

@@ -1,4 +1,4 @@
-"""Boundaries of the plugin call (issue 9): masks keep their values, outputs carry no graph, fill values are
+"""Boundaries of the plugin call: masks keep their values, outputs carry no graph, fill values are
 not log-probs, odd tensors get an InputError naming the sequence."""
 
 import math

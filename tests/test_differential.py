@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DEVICE
 import torch.distributed as dist
 from cp_harness import cp_state, local_positions, shard, spawn
 
@@ -420,16 +421,6 @@ def host_args(case, path: str, denominator: str | None):
     return args
 
 
-_HAS_DENOMINATOR: list[bool] = []
-
-
-def host_has_denominator() -> bool:
-    """Whether the host has the ``loss_denominator`` option (being added): without it, that half is skipped."""
-    if not _HAS_DENOMINATOR:
-        _HAS_DENOMINATOR.append(hasattr(host.parse_args([]), "loss_denominator"))
-    return _HAS_DENOMINATOR[0]
-
-
 def run_host(case, args, ps, owned=None):
     """host.policy_loss on the full batch (owned None) or this rank's shards: (loss, metrics, flat grads)."""
     full, extras = case.full, case.extras
@@ -449,7 +440,8 @@ def run_host(case, args, ps, owned=None):
 
 
 def denominators() -> list[str | None]:
-    return [None, "returned-mask"] if host_has_denominator() else [None]
+    """The host's loss denominators: the input masks' counts (default) and the returned masks' sums."""
+    return [None, "returned-mask"]
 
 
 
@@ -757,6 +749,34 @@ def cp_worker(rank: int, size: int) -> None:
             merged.by_kind = kinds
             raise AssertionError(f"cp size {size} differs from cp = 1 ({len(kinds)} kinds; largest toleranced "
                                  f"deviation seen: {worst[1]}):\n{merged.summary()}")
+
+
+DEVICE_CASES = 16  # cases of the in-process check below
+
+
+def _on_device(case):
+    """``case`` with its tensors on the test device (DEVICE, ``pytest --device``)."""
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(DEVICE)
+        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            return [t.to(DEVICE) for t in value]
+        return value
+    return SimpleNamespace(**dict(vars(case), pg_loss=case.pg_loss.to(DEVICE),
+                                  full={k: move(v) for k, v in case.full.items()},
+                                  extras={k: move(v) for k, v in case.extras.items()}))
+
+
+def test_cp1_entry_points_agree_on_the_test_device():
+    """At cp = 1 in this process, on the test device (``--device``: benchmarks/gpu_check.sh runs it on CUDA; on the
+    CPU the CP workers check these cases too): every entry point, and the host through the list and the packed one,
+    returns the reference call's outputs bit for bit."""
+    logging.getLogger("miles_mis").addHandler(logging.NullHandler())
+    findings = Findings(f"cp 1 on {DEVICE}")
+    for index in range(DEVICE_CASES):
+        case = _on_device(make_case(index))
+        check_entry_points(case, findings, cp1_reference(case))
+    assert not findings.by_kind, findings.summary()
 
 
 @pytest.mark.parametrize("size", [2, 3])

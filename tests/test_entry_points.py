@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import DEVICE, on_device
 
 import miles_mis
 from miles_mis.example_batch import make_example_batch
@@ -18,6 +19,12 @@ def load_function(path: str):
     """miles' loader: import the module part, getattr the last part."""
     module_path, _, attr = path.rpartition(".")
     return getattr(importlib.import_module(module_path), attr)
+
+
+def example_batch(**kwargs) -> dict:
+    """miles_mis.example_batch's batch with its tensors on the test device."""
+    batch = make_example_batch(**kwargs)
+    return {key: on_device(value) if key.endswith(("log_probs", "masks")) else value for key, value in batch.items()}
 
 
 def host_args(repo_root, config="mis.yaml", **flags):
@@ -40,9 +47,9 @@ def test_public_api(name):
 def test_loaded_by_dotted_path_with_keyword_arguments_only(repo_root):
     fn = load_function("miles_mis.compute_mis_weights_with_cp")
     assert fn is miles_mis.compute_mis_weights_with_cp
-    batch = make_example_batch(num_seqs=6, max_len=32)
+    batch = example_batch(num_seqs=6, max_len=32)
     n = sum(batch["response_lengths"])
-    pg_loss = torch.randn(n, requires_grad=True)
+    pg_loss = torch.randn(n, device=DEVICE, requires_grad=True)
     out, masks, metrics = fn(args=host_args(repo_root), pg_loss=pg_loss, parallel_state=None, max_seq_lens=None,
                              some_future_kwarg=123, **batch)
     assert out.shape == pg_loss.shape and out.requires_grad
@@ -54,9 +61,9 @@ def test_loaded_by_dotted_path_with_keyword_arguments_only(repo_root):
 
 
 def test_fsdp_entry_point_equals_cp_entry_point_at_cp1(repo_root):
-    batch = make_example_batch(num_seqs=5, max_len=40, seed=3)
+    batch = example_batch(num_seqs=5, max_len=40, seed=3)
     n = sum(batch["response_lengths"])
-    pg = torch.randn(n)
+    pg = torch.randn(n, device=DEVICE)
     a = miles_mis.compute_mis_weights_with_cp(host_args(repo_root), pg_loss=pg, **batch)
     b = miles_mis.compute_mis_weights_fsdp(host_args(repo_root), pg_loss=pg, train_log_probs=batch["train_log_probs"],
                                            rollout_log_probs=batch["rollout_log_probs"],
@@ -69,8 +76,8 @@ def test_fsdp_entry_point_equals_cp_entry_point_at_cp1(repo_root):
 def test_monitoring_mode_with_the_default_yaml(repo_root):
     """--get-mismatch-metrics without --use-tis: same YAML, nothing changed, metrics reported."""
     args = host_args(repo_root, get_mismatch_metrics=True, use_tis=False)
-    batch = make_example_batch(num_seqs=4, max_len=16)
-    pg = torch.randn(sum(batch["response_lengths"]))
+    batch = example_batch(num_seqs=4, max_len=16)
+    pg = torch.randn(sum(batch["response_lengths"]), device=DEVICE)
     out, masks, metrics = miles_mis.compute_mis_weights_with_cp(args=args, pg_loss=pg, **batch)
     assert out is pg
     assert all(torch.equal(m, o) for m, o in zip(masks, batch["loss_masks"]))
@@ -78,8 +85,8 @@ def test_monitoring_mode_with_the_default_yaml(repo_root):
 
 
 def test_reduced_metrics_of_identical_engines_show_no_mismatch(repo_root):
-    batch = make_example_batch(num_seqs=8, max_len=64, rollout_dtype=torch.float32)
-    pg = torch.ones(sum(batch["response_lengths"]))
+    batch = example_batch(num_seqs=8, max_len=64, rollout_dtype=torch.float32)
+    pg = torch.ones(sum(batch["response_lengths"]), device=DEVICE)
     _, masks, metrics = miles_mis.compute_mis_weights_with_cp(args=host_args(repo_root), pg_loss=pg, **batch)
     reduced = reduce_metrics(metrics, batch["loss_masks"])
     assert abs(reduced["mis_kl"]) < 1e-6 and abs(reduced["mis_k3_kl"]) < 1e-6

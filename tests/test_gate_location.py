@@ -1,4 +1,4 @@
-"""Issue 11: the batch gate and the where-the-mismatch-lives metrics at cp = 1 (CP exactness: test_cp.py)."""
+"""The batch gate and the where-the-mismatch-lives metrics at cp = 1 (CP exactness: test_cp.py)."""
 
 import logging
 import math

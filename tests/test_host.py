@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from miles_mis import host
 
@@ -20,13 +21,13 @@ def args_for(*flags, config=None, repo_root=None):
 def make_batch(log_ratios_old, log_ratios_rollout, advantages, masks=None, seed=0):
     """Current log-probs (leaf tensors with grad), π_old = current − old_gap, rollout = current − rollout_gap."""
     gen = torch.Generator().manual_seed(seed)
-    current = [(-torch.rand(len(a), generator=gen) - 0.5).requires_grad_() for a in advantages]
+    current = [(-torch.rand(len(a), generator=gen) - 0.5).to(DEVICE).requires_grad_() for a in advantages]
     batch = dict(
-        advantages=[torch.tensor(a, dtype=torch.float32) for a in advantages],
-        log_probs=[c.detach() - torch.tensor(g) for c, g in zip(current, log_ratios_old)],
-        rollout_log_probs=[c.detach() - torch.tensor(g) for c, g in zip(current, log_ratios_rollout)],
-        loss_masks=[torch.ones(len(a)) if masks is None else torch.tensor(m, dtype=torch.float32)
-                    for a, m in zip(advantages, masks or advantages)],
+        advantages=[torch.tensor(a, dtype=torch.float32, device=DEVICE) for a in advantages],
+        log_probs=[c.detach() - torch.tensor(g, device=DEVICE) for c, g in zip(current, log_ratios_old)],
+        rollout_log_probs=[c.detach() - torch.tensor(g, device=DEVICE) for c, g in zip(current, log_ratios_rollout)],
+        loss_masks=[torch.ones(len(a), device=DEVICE) if masks is None
+                    else torch.tensor(m, dtype=torch.float32, device=DEVICE) for a, m in zip(advantages, masks or advantages)],
         response_lengths=[len(a) for a in advantages], total_lengths=[len(a) + 3 for a in advantages])
     return batch, current
 

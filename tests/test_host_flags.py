@@ -340,7 +340,6 @@ def test_lab_train_prints_the_warning_as_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- --mis-set KEY=VALUE
-AUTO_LANDED = "tis_auto_target_ess" in __import__("miles_mis").MisConfig.keys()
 WITH_PLUGIN = ("--use-tis", "--custom-tis-function-path", PLUGIN)
 
 
@@ -378,7 +377,6 @@ def test_mis_set_value_is_read_as_yaml_and_checked_by_misconfig(item, attribute,
     assert getattr(MisConfig.from_args(args), attribute) == effective
 
 
-@pytest.mark.skipif(not AUTO_LANDED, reason="tis_upper_bound: auto is not in MisConfig yet")
 def test_mis_set_turns_on_the_adaptive_bound():
     from miles_mis import MisConfig
 

@@ -344,7 +344,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     assert wandb_reader.run_id(_offline_logs(tmp_path / "wb")[-1]) != wandb_reader.run_id(first)
 
 
-# ---------------------------------------------------------------- issue 11 features from the lab's flags
+# ---------------------------------------------------------------- the batch gate and location metrics from the lab's flags
 PLUGIN_FLAGS = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
 
 
@@ -387,8 +387,6 @@ def test_packed_entry_point_in_the_lab_equals_the_list_entry_point(tmp_path, rep
                 assert a[key] == b[key], (a["step"], key)
 
 
-@pytest.mark.skipif("tis_auto_target_ess" not in __import__("miles_mis").MisConfig.keys(),
-                    reason="tis_upper_bound: auto is not in MisConfig yet")
 def test_mis_set_adaptive_upper_bound_reports_the_bound_it_used(tmp_path):
     history = lab(tmp_path, *PLUGIN_FLAGS, "--mis-set", "tis_upper_bound=auto", "--mis-set",
                   "tis_auto_bounds=[1.5, 8]", "--rollout-dtype", "bf16", steps=2, name="auto")

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import on_device
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed
 
@@ -25,7 +26,8 @@ def run(config, log_ratios, rollout=None, masks=None):
              zip(log_ratios, rollout or [None] * len(log_ratios))]
     rollouts = [torch.zeros_like(t) for t in train] if rollout is None else [r.float() for r in rollout]
     masks = masks or [torch.ones_like(t) for t in train]
-    return compute_mis_weights(config, train_log_probs=train, rollout_log_probs=rollouts, loss_masks=masks)
+    return compute_mis_weights(config, train_log_probs=on_device(train), rollout_log_probs=on_device(rollouts),
+                               loss_masks=on_device(masks))
 
 
 def test_k3_of_four_tiny_log_ratios_is_not_zero():
