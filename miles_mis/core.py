@@ -622,12 +622,13 @@ def reject_by_divergence(state: FinalizeState) -> None:
         return
     terms = state.terms
     layout = divergence.Layout.of(state.config.rs_divergence)
-    div_reject, state.seq_gate, div_token, div_seq = divergence.evaluate(
+    div_reject, state.seq_gate, div_token, div_seq, div_batch = divergence.evaluate(
         layout, state.stats[:, NUM_COLUMNS:], state.col["n_usable"], terms.estimators,
         terms.divergence_kept, terms.usable, terms.moving_out, state.batch.seq_index)
     state.seq_reject = state.seq_reject | div_reject
     state.token_metrics.update(div_token)
     state.seq_values.update(div_seq)
+    state.batch_metrics.update(div_batch)
 
 
 def reject_moving_out_tokens(state: FinalizeState) -> None:

@@ -268,7 +268,7 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     """Sequence rejections, the directional sequence options' gate, and every option's metrics.
 
     Returns (seq_reject [B] bool, gate [B] bool or None without a directional sequence option, token metrics
-    {name: [N]}, sequence metrics {name: [B]}). ``out``: the moving-out tokens and ``seq_index`` each token's
+    {name: [N]}, sequence metrics {name: [B]}, batch metrics {name: 0-d}: each option's max and min). ``out``: the moving-out tokens and ``seq_index`` each token's
     sequence, with a directional sequence option. Metric names, generated here for every option:
     rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction}, plus
     rs_divergence_masked_{token,seq}_fraction over all options together.
@@ -277,6 +277,7 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     gate = None
     token_metrics: dict[str, Tensor] = {}
     seq_metrics: dict[str, Tensor] = {}
+    batch_metrics: dict[str, Tensor] = {}  # 0-d: broadcast to the tokens as stride-0 views, not gathered per token
     nonempty = n_usable > 0
     moved = columns[:, layout.column("n:out")] > 0 if layout.gated else None  # a gated sequence loses a token
     for option, lower, upper in layout.options:
@@ -302,8 +303,7 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
                 seq_metrics[f"{prefix}_masked_token_fraction"] = rejected.float()  # the whole sequence's tokens
                 seq_metrics[f"{prefix}_masked_seq_fraction"] = rejected.float()
             batch_max, batch_min = _extremes(statistic, statistic, nonempty)
-        seq_metrics[f"{prefix}_max"] = batch_max.expand(n_usable.shape[0])
-        seq_metrics[f"{prefix}_min"] = batch_min.expand(n_usable.shape[0])
+        batch_metrics[f"{prefix}_max"], batch_metrics[f"{prefix}_min"] = batch_max, batch_min
     token_rejected = (columns[:, layout.column("rejected:any_token_option")] > 0
                       if "rejected:any_token_option" in layout.sum_names else torch.zeros_like(seq_reject))
     any_token = None
@@ -316,7 +316,7 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     seq_metrics["rs_divergence_masked_seq_fraction"] = (seq_reject | token_rejected).float()
     seq_metrics["_divergence_seq_reject"] = seq_reject.float()
     token_metrics["_divergence_token_rejected"] = any_token
-    return seq_reject, gate, token_metrics, seq_metrics
+    return seq_reject, gate, token_metrics, seq_metrics, batch_metrics
 
 
 def _extremes(high: Tensor, low: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:
