@@ -229,6 +229,11 @@ def test_probability_estimators_are_precise_near_one_and_never_nan():
     ({"token_atv": 1.0}, "|p_train − p_rollout| is at most 1"),
     ({"token_bkl": [0.1, 0.2]}, "take one upper bound"),
     ({"seq_sum_tv": [-0.1, 0.1]}, "unknown option 'seq_sum_tv'"),
+    # the directional ones, as their undirected statistics
+    ({"token_dtv": 0.2}, "a tv option takes the range"),
+    ({"seq_mean_datv": 1.5}, "|p_train − p_rollout| is at most 1"),
+    ({"token_dbkl": [0.1, 0.2]}, "take one upper bound"),
+    ({"seq_max_datv": 0.1}, r"unknown option 'seq_max_datv' \(did you mean 'seq_max_atv'\?\)"),
 ])
 def test_probability_space_options_are_validated(options, message):
     with pytest.raises(ValueError, match=message):

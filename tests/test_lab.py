@@ -313,6 +313,7 @@ def test_wandb_offline_run_holds_what_metrics_jsonl_holds_and_the_config(tmp_pat
     lab(tmp_path, *plugin, "--wandb-project", "miles-mis-test", steps=2, name="wb")
     out_dir = tmp_path / "wb"
     [log] = _offline_logs(out_dir)
+    assert not list((out_dir / "wandb").glob("run-*"))  # offline: no online run folder was made
     rows = read(out_dir / "metrics.jsonl")
     logged = wandb_reader.history(log)
     assert [r["_step"] for r in logged] == [1, 2] == [r["step"] for r in rows]
