@@ -18,6 +18,8 @@ rl: ``miles-mis train`` as benchmarks/lab_real_model.py's RL runs (8 prompts x 4
 standard PPO loss with token truncated IS at 2 (``decoupled_tis``) plus one mask, its thresholds from the tokens
 row of that setting at 2 %. The runs without a mask are lab_real_model_rl.jsonl's (same shape and seeds), cut at
 the same step (a run is deterministic given its seed, so their first 20 steps are what a 20-step run gives).
+``--masks prime_rl reinforce_current``: prime-rl's default loss as docs/config.md writes it (REINFORCE weighted by
+the raw π_θ/μ, ``token_dtv: [-0.2, 0.2]`` on π_θ − μ), and the same loss without the mask.
 
 Each part appends one JSON line per finished item to benchmarks/results/lab_trust_region_<part>.jsonl and skips the
 items already there (an RL run also resumes from its checkpoint while its folder under --out-dir exists). Needs the
@@ -46,6 +48,11 @@ BUCKET_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)  # of the engine's probabil
 RL_SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5"]
 BASE = {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}  # decoupled_tis
 MASKS = ("ratio_mask", "tv_mask", "dppo_mask")
+# prime-rl's default loss and its unmasked twin: REINFORCE weighted by the raw π_θ/μ (no truncation: e^20), the mask on
+# π_θ − μ in [−0.2, 0.2] by the advantage's sign (docs/config.md)
+PRIME_RL = ("prime_rl", "reinforce_current")
+PRIME_RL_FLAGS = ["--loss-type", "reinforce", "--pass-current-log-probs"]
+PRIME_RL_BASE = {"tis_policy": "current", "tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 485165195.4}
 
 
 def results_path(part: str) -> Path:
@@ -133,7 +140,10 @@ def _rejected(batches: list[dict], options: dict) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- GRPO with each mask
 def mask_config(mask: str, row: dict) -> dict:
-    """The mis.yaml of an RL run: token TIS at 2 plus ``mask`` at the thresholds matched at RL_TARGET."""
+    """The mis.yaml of an RL run: token TIS at 2 plus ``mask`` at the thresholds matched at RL_TARGET; the PRIME_RL
+    runs: PRIME_RL_BASE, with prime-rl's mask for ``prime_rl``."""
+    if mask in PRIME_RL:
+        return dict(PRIME_RL_BASE, rs_divergence={"token_dtv": [-0.2, 0.2]} if mask == "prime_rl" else None)
     entry = next(t for t in row["targets"] if t["target"] == RL_TARGET)
     bound, delta = entry["ratio_bound"], entry["tv_delta"]
     options = {"ratio_mask": {"token_k1": [round(1 / bound, 6), round(bound, 6)]},
@@ -160,13 +170,14 @@ def rl(seeds: int, steps: int, out_dir: Path, masks: tuple[str, ...] = MASKS) ->
         (run_dir / "mis.yaml").write_text(yaml.safe_dump(config))
         argv = ["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(run_dir / "mis.yaml"),
                 *SETTINGS[RL_SETTING], *RL_SHAPE, "--seed", str(seed), "--steps", str(steps), "--out-dir",
-                str(run_dir), "--save-interval", "5", "--quiet"]
+                str(run_dir), "--save-interval", "5", "--quiet", *(PRIME_RL_FLAGS if mask in PRIME_RL else [])]
         if (run_dir / "checkpoint.pt").exists():
             argv.append("--resume")
         print(f"rl [{count}/{len(todo)}] {mask} | seed {seed}: {config['rs_divergence']}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         history = train(parse_args(argv))
         append("rl", {"setting": RL_SETTING, "mask": mask, "seed": seed, "steps": steps, "config": config,
+                      "flags": PRIME_RL_FLAGS if mask in PRIME_RL else [],
                       "seconds": time.perf_counter() - started,
                       "reward": [r["reward"] for r in history], "raw_k3": [r["raw_k3"] for r in history],
                       "rejected": [r.get("mis_rs_divergence_masked_token_fraction") for r in history]})
@@ -221,6 +232,8 @@ def rl_table(rows: list[dict]) -> str:
     cells = [(name, [r for r in baseline if r["algorithm"] == name]) for name in ("standard", "decoupled_tis")]
     cells += [(f"decoupled_tis + {mask}", [r for r in rows if r["mask"] == mask and r["steps"] == steps])
               for mask in MASKS]
+    cells += [(f"REINFORCE π_θ/μ{' + prime-rl mask' if mask == 'prime_rl' else ''}",
+               [r for r in rows if r["mask"] == mask and r["steps"] == steps]) for mask in PRIME_RL]
     lines = [f"| run ({RL_SETTING}, {steps} steps) | seeds | steps 1–{window} | steps {steps - window + 1}–{steps} | Δ | "
              "tokens rejected |", "|---|---|---|---|---|---|"]
     for name, cell in cells:
@@ -249,8 +262,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="rl: steps per run (default 20)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_trust_region"),
                         help="rl: run folders (default runs/lab_trust_region)")
-    parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS),
-                        help=f"rl: the masks to run (default {' '.join(MASKS)})")
+    parser.add_argument("--masks", nargs="+", choices=MASKS + PRIME_RL, default=list(MASKS),
+                        help=f"rl: the masks to run (default {' '.join(MASKS)}; also {' '.join(PRIME_RL)}: prime-rl's "
+                             "default loss, REINFORCE by π_θ/μ with its mask, and without the mask)")
     args = parser.parse_args()
     if args.part == "tokens":
         tokens(args.batches)
