@@ -320,3 +320,31 @@ def test_prime_rl_default_on_the_host_masks_by_the_advantage_sign(entry, tmp_pat
     want = [0.0 if m else -a * math.exp(g) / 6 for a, g, m in zip(advantages, gaps_rollout, masked)]
     assert grad.tolist() == pytest.approx(want, rel=1e-5)
     assert float(metrics["mis_rs_token_dtv_masked_token_fraction"]) == pytest.approx(sum(masked) / 6)
+
+
+def test_a_correction_function_with_an_explicit_signature_gets_only_what_it_names(tmp_path):
+    """The host's optional kwargs (advantages, lags, the current policy) go to a function with **kwargs whole, and to
+    one with an explicit signature only as far as it names them; cur_log_probs it cannot take is an error."""
+    plugin_file = tmp_path / "strict.py"
+    plugin_file.write_text(
+        "import torch\n"
+        "def scaled(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,\n"
+        "           response_lengths, parallel_state=None, max_seq_lens=None, version_lags=None):\n"
+        "    return pg_loss * 0.5, list(loss_masks), {'seen_lag': torch.full_like(pg_loss, float(version_lags[0]))}\n"
+        "def identity(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,\n"
+        "             response_lengths, parallel_state=None, max_seq_lens=None):\n"
+        "    return pg_loss, list(loss_masks), {}\n")
+    batch, current = make_batch([[0.1, -0.2]], [[0.3, 0.0]], [[1.0, -1.0]])
+    batch = dict(batch, version_lags=[2])
+    losses = {}
+    for name in ("scaled", "identity"):
+        args = host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:{name}"])
+        losses[name], metrics = host.policy_loss(args, batch, current)
+    assert float(losses["scaled"].detach()) == pytest.approx(0.5 * float(losses["identity"].detach()), rel=1e-6)
+    assert float(metrics.get("seen_lag", 0.0)) == 0.0 and "ois" in metrics  # identity returns no metric
+    args = host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:scaled"])
+    assert float(host.policy_loss(args, batch, current)[1]["seen_lag"]) == pytest.approx(2.0)  # the lag it named
+    with pytest.raises(ValueError, match="takes no cur_log_probs"):
+        host.policy_loss(host.parse_args(["--use-tis", "--loss-type", "reinforce", "--pass-current-log-probs",
+                                          "--custom-tis-function-path", f"{plugin_file}:identity"]), batch, current)
+    assert host.optional_kwargs_taken(lambda **kwargs: None, {"advantages": 1}) == {"advantages": 1}

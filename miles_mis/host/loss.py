@@ -168,6 +168,7 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
     extra["advantages"] = prepared.advantages  # flat, this rank's tokens, as slime PR 1912 passes them
     if getattr(args, "pass_current_log_probs", False):
         extra["cur_log_probs"] = prepared.log_probs
+    extra = optional_kwargs_taken(prepared.function, extra)
     if prepared.packed_config is not None:  # compute_mis_weights_packed: flat tensors and cu_seqlens (cp 1)
         pg_loss, modified_masks, tis_metrics = call_packed(
             prepared.function, prepared.packed_config, pg_loss=pg_loss, train_log_probs=prepared.trainer_scored,
@@ -191,6 +192,25 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
     for name, value in tis_metrics.items():
         metrics[name] = reduce(value.float()).detach()  # with the ORIGINAL masks
     return pg_loss, reduce_loss
+
+
+def optional_kwargs_taken(function: Callable, extra: dict[str, Any]) -> dict[str, Any]:
+    """The optional keyword arguments (lags, advantages, the current policy) ``function`` takes: all of them if it
+    has ``**kwargs`` (as every miles_mis entry point), else those it names. So a correction function written for a
+    host that passes none of them (an explicit signature) still loads; ``cur_log_probs`` asked for with
+    --pass-current-log-probs but not taken is an error, not a silent drop."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: pass everything, as miles does
+        return extra
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return extra
+    if "cur_log_probs" in extra and "cur_log_probs" not in parameters:
+        raise ValueError(f"--pass-current-log-probs: the correction function {getattr(function, '__name__', function)} "
+                         "takes no cur_log_probs (nor **kwargs), so it cannot read the current policy")
+    return {key: value for key, value in extra.items() if key in parameters}
 
 
 # flags that change which collectives a host call makes, or what it computes: equal on every CP rank
