@@ -39,6 +39,7 @@ from pathlib import Path
 
 RESULTS = Path("benchmarks/results")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 from lab_vllm import SETTINGS as TINY_SETTINGS  # noqa: E402 (the settings of the tiny model's engine comparison)
 
 SETTINGS = {  # those of benchmarks/lab_vllm.py, then the ones a 49,152-token vocabulary makes interesting
@@ -62,14 +63,11 @@ def results_path(part: str) -> Path:
 
 
 def read(part: str) -> list[dict]:
-    path = results_path(part)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_results(results_path(part))
 
 
 def append(part: str, row: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(results_path(part), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_result(results_path(part), row)
 
 
 # --------------------------------------------------------------------------- atlas

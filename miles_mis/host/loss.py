@@ -8,6 +8,8 @@ says (keyword arguments, local CP shards, full masks; or the packed entry point 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -199,18 +201,29 @@ def optional_kwargs_taken(function: Callable, extra: dict[str, Any]) -> dict[str
     has ``**kwargs`` (as every miles_mis entry point), else those it names. So a correction function written for a
     host that passes none of them (an explicit signature) still loads; ``cur_log_probs`` asked for with
     --pass-current-log-probs but not taken is an error, not a silent drop."""
-    import inspect
-
     try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: pass everything, as miles does
-        return extra
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        parameters = _named_keywords(function)
+    except TypeError:  # an unhashable callable: read its signature uncached
+        parameters = _named_keywords.__wrapped__(function)
+    if parameters is None:
         return extra
     if "cur_log_probs" in extra and "cur_log_probs" not in parameters:
         raise ValueError(f"--pass-current-log-probs: the correction function {getattr(function, '__name__', function)} "
                          "takes no cur_log_probs (nor **kwargs), so it cannot read the current policy")
     return {key: value for key, value in extra.items() if key in parameters}
+
+
+@functools.lru_cache(maxsize=32)
+def _named_keywords(function: Callable) -> frozenset[str] | None:
+    """The parameter names of ``function``, or None when it takes **kwargs or has no signature (a builtin: pass
+    everything, as miles does); once per function, not per call."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
 
 
 # flags that change which collectives a host call makes, or what it computes: equal on every CP rank
