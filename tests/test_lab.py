@@ -292,7 +292,7 @@ def test_torchrun_cp2_equals_cp1(tmp_path):
 
 
 def _offline_logs(out_dir) -> list:
-    """The transaction logs of the offline W&B runs under ``out_dir``, oldest first."""
+    """The transaction logs of the offline W&B runs under ``out_dir``, by folder name (start second, then id)."""
     return sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
 
 
@@ -336,13 +336,18 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     lab(tmp_path, "--wandb-project", "miles-mis-test", "--save-interval", "1", steps=2, name="wb")
     lab(tmp_path, "--wandb-project", "miles-mis-test", "--resume", steps=3, name="wb")
-    first, second = _offline_logs(tmp_path / "wb")
-    assert wandb_reader.run_id(first) == wandb_reader.run_id(second)
-    assert [r["_step"] for r in wandb_reader.history(first)] == [1, 2]
-    assert [r["_step"] for r in wandb_reader.history(second)] == [3]
-    assert wandb_reader.history(second)[0]["reward"] == pytest.approx(read(tmp_path / "wb" / "metrics.jsonl")[2]["reward"])
+    logs = _offline_logs(tmp_path / "wb")  # (folder names hold the start second: runs of ~1 s can tie, so no order)
+    assert len(logs) == 2 and len({wandb_reader.run_id(log) for log in logs}) == 1
+    first_id = wandb_reader.run_id(logs[0])
+    histories = sorted(([r["_step"] for r in wandb_reader.history(log)], log) for log in logs)
+    assert [steps for steps, _ in histories] == [[1, 2], [3]]
+    assert wandb_reader.history(histories[1][1])[0]["reward"] == pytest.approx(
+        read(tmp_path / "wb" / "metrics.jsonl")[2]["reward"])
     lab(tmp_path, "--wandb-project", "miles-mis-test", steps=1, name="wb")  # not --resume: a new run
-    assert wandb_reader.run_id(_offline_logs(tmp_path / "wb")[-1]) != wandb_reader.run_id(first)
+    new_id = (tmp_path / "wb" / "wandb_run_id").read_text().strip()
+    assert new_id != first_id
+    [fresh] = [log for log in _offline_logs(tmp_path / "wb") if wandb_reader.run_id(log) == new_id]
+    assert [r["_step"] for r in wandb_reader.history(fresh)] == [1]
 
 
 # ---------------------------------------------------------------- the batch gate and location metrics from the lab's flags
