@@ -87,9 +87,10 @@ def token_estimators(log_ratio: Tensor, train_log_probs: Tensor | None = None,
 
 
 def log1mexp(log_p: Tensor) -> Tensor:
-    """log(1 − e^x) for x ≤ 0, accurate everywhere: log(−expm1(x)) near 0, log1p(−e^x) below −log 2."""
+    """log(1 − e^x) for x ≤ 0, accurate everywhere: log(−expm1(x)) near 0, log1p(−e^x) below −log 2; −inf at
+    x = 0 (callers hold it at ``_LOG_TINY``: a clamp of x before the log would give log(1e-300) ≈ −690.8 instead)."""
     near = log_p > -math.log(2.0)
-    return torch.where(near, torch.log(-torch.expm1(log_p.clamp(max=-1e-300))),
+    return torch.where(near, torch.log(-torch.expm1(log_p.clamp(max=0.0))),
                        torch.log1p(-torch.exp(log_p.clamp(max=-math.log(2.0)))))
 
 

@@ -222,15 +222,18 @@ def _local_tokens(train: Tensor, rollout: Tensor, full_masks: Tensor, local_leng
 
 
 # --------------------------------------------------------------------------- flat tensors and cu_seqlens
-def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> PackedBatch:
+def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
+              train_name: str = "train_log_probs") -> PackedBatch:
     """Validate the packed path's flat [N] tensors and [B+1] offsets; the ``PackedBatch`` they describe.
+    ``train_name``: what the errors call the numerator's log-probs (the host's current-policy input under
+    ``tis_policy: current``).
 
     A fixed number of tensor operations whatever B (no loop over sequences); the values of ``cu_seqlens``
     and the finiteness of the mask are checked together, with one device-to-host read. Only a failing
     check does more work, to name the first bad sequence or token.
     """
     _require_log_probs(train_log_probs, rollout_log_probs)
-    flat = (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
+    flat = ((train_name, train_log_probs), ("rollout_log_probs", rollout_log_probs),
             ("loss_mask", loss_mask), ("cu_seqlens", cu_seqlens))
     device = train_log_probs.device if isinstance(train_log_probs, Tensor) and not train_log_probs.is_meta else None
     for name, value in flat:
@@ -242,13 +245,13 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> Pack
         shape = ("a 1-D [B+1] tensor of offsets" if name == "cu_seqlens"
                  else "a flat 1-D [N] tensor (the B responses concatenated)")
         kind = {"loss_mask": "masks", "cu_seqlens": "offsets"}.get(name, "log-probs")
-        problem = _tensor_problem(value, device, kind, device_of="train_log_probs",
+        problem = _tensor_problem(value, device, kind, device_of=train_name,
                                   one_device="all inputs on one device", shape=shape)
         if problem:
             raise InputError(f"{name} {problem}")
     num_tokens = train_log_probs.numel()
     if rollout_log_probs.numel() != num_tokens or loss_mask.numel() != num_tokens:
-        raise InputError(f"train_log_probs has {num_tokens} tokens, rollout_log_probs has "
+        raise InputError(f"{train_name} has {num_tokens} tokens, rollout_log_probs has "
                          f"{rollout_log_probs.numel()}, loss_mask has {loss_mask.numel()}: the flat tensors "
                          "must have equal lengths")
     if cu_seqlens.numel() == 0:

@@ -122,12 +122,14 @@ def compute_mis_weights_packed(
     config = MisConfig.from_args(config)
     _refuse_dp_scopes(config, "compute_mis_weights_packed")
     given = dict(kwargs, current_log_probs=current_log_probs, version_lags=version_lags)
+    train_name = "train_log_probs"
     if config.tis_policy == "current":
         current = versions.current_policy(given)
         versions.require_current(current, "current_log_probs")
+        train_name = "current_log_probs" if current_log_probs is not None else "cur_log_probs"
         train_log_probs = current.detach() if isinstance(current, Tensor) else current
-    batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens), config,
-                                        given)
+    batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
+                                                  train_name=train_name), config, given)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics

@@ -126,7 +126,7 @@ def _lags_of_versions(versions: Any, current: Any) -> list[int]:
             raise InputError(f"sequence {i}: weight_versions[{i}]={entry!r} holds no numeric version (miles skips "
                              "non-numeric ones such as 'default'), so its lag is unknown", i)
         lag = trainer - min(numbers_)
-        if lag < 0:
+        if max(numbers_) > trainer:  # any call newer than the trainer, not only the oldest one
             raise InputError(f"sequence {i}: weight_versions[{i}]={entry!r} is newer than current_weight_version="
                              f"{current!r}: a sample cannot come from weights the trainer has not made yet", i)
         out.append(lag)

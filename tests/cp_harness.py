@@ -89,22 +89,20 @@ def local_positions(total: int, response: int, rank: int, cp: int, span: int) ->
 
 def shard(full: dict, pg_loss: torch.Tensor, rank: int, cp: int, fmt: str):
     """This rank's kwargs (sharded log-probs, full masks) and the flat indices of its tokens."""
-    positions, offset, train, rollout, advantages = [], 0, [], [], []
+    # per-token lists in train_log_probs' (sharded) layout; loss_masks and everything else pass whole
+    names = [name for name in ("train_log_probs", "rollout_log_probs", "advantages", "cur_log_probs",
+                               "sampling_mask_sizes") if isinstance(full.get(name), (list, tuple))]
+    positions, offset, local = [], 0, {name: [] for name in names}
     for i, n in enumerate(full["response_lengths"]):
         span = full["max_seq_lens"][i] if fmt == "bshd" else full["total_lengths"][i]
         pos = local_positions(full["total_lengths"][i], n, rank, cp, span)
         index = torch.tensor(pos, dtype=torch.long)
-        train.append(full["train_log_probs"][i][index])
-        rollout.append(full["rollout_log_probs"][i][index])
-        if full.get("advantages") is not None:  # per token, in train_log_probs' (sharded) layout
-            advantages.append(full["advantages"][i][index])
+        for name in names:
+            local[name].append(full[name][i][index])
         positions += [offset + p for p in pos]
         offset += n
     positions = torch.tensor(positions, dtype=torch.long)
-    kwargs = dict(full, train_log_probs=train, rollout_log_probs=rollout)
-    if full.get("advantages") is not None:
-        kwargs["advantages"] = advantages
-    return kwargs, pg_loss[positions], positions
+    return dict(full, **local), pg_loss[positions], positions
 
 
 def host_mean(metric: torch.Tensor, loss_masks, response_lengths, positions=None, group=None) -> float:

@@ -66,8 +66,26 @@ def _estimators(t) -> dict[str, float]:
     of the sampled token: tv = p − q, atv = |p − q|, bkl = KL(Bern(q) ‖ Bern(p)) (p = q = 1 if not usable)."""
     c = _clamp(t["ell"])
     p, q = math.exp(min(t["train"], 0.0)), math.exp(min(t["rollout"], 0.0))
-    bkl = q * math.log(q / p) + ((1 - q) * math.log((1 - q) / (1 - p)) if q < 1 else 0.0)
-    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q), "bkl": max(bkl, 0.0)}
+    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q),
+            "bkl": binary_kl(t["train"], t["rollout"])}
+
+
+LOG_TINY = -745.0  # docs/math.md: log(1 − p) is held here where p = 1
+
+
+def _log_one_minus(log_p: float) -> float:
+    """log(1 − p) from log p, held at LOG_TINY where p = 1 (1 − p = −expm1(log p) is exact near p = 1)."""
+    one_minus = -math.expm1(min(log_p, 0.0))
+    return LOG_TINY if one_minus <= 0.0 else max(math.log(one_minus), LOG_TINY)
+
+
+def binary_kl(log_p: float, log_q: float) -> float:
+    """KL(Bern(q) ‖ Bern(p)) as docs/math.md states it: q log(q/p) + (1 − q)(log(1 − q) − log(1 − p)), the second
+    term 0 where q = 1, log(1 − ·) held at −745, clipped at 0."""
+    log_p, log_q = min(log_p, 0.0), min(log_q, 0.0)
+    q, one_minus_q = math.exp(log_q), -math.expm1(log_q)
+    tail = one_minus_q * (_log_one_minus(log_q) - _log_one_minus(log_p)) if one_minus_q > 0 else 0.0
+    return max(q * (log_q - log_p) + tail, 0.0)
 
 
 DIRECTIONAL = {"dtv": "tv", "dbkl": "bkl", "datv": "atv"}  # a directional option -> the statistic it reads

@@ -216,6 +216,10 @@ def test_probability_estimators_are_precise_near_one_and_never_nan():
     assert values["tv"][0].item() == pytest.approx(1e-12, rel=1e-6)  # no cancellation in p − q
     assert values["bkl"][1].item() == 0.0 and values["bkl"][3].item() == 0.0  # p = q
     assert values["bkl"][2].item() > 10  # p = 1 > q: KL is infinite, reported large and finite
+    # exactly the documented value (docs/math.md): log(1 − p) held at −745, so bkl = q·log(q/p) + (1 − q)(log(1 − q)
+    # + 745) at p = 1, q = e^−0.1 (a clamp of log p before the log would give log(1e-300) ≈ −690.8 instead)
+    q_2 = math.exp(-0.1)
+    assert values["bkl"][2].item() == pytest.approx(q_2 * -0.1 + (1 - q_2) * (math.log(1 - q_2) + 745.0), rel=1e-12)
     # KL(Bern(q) ‖ Bern(p)) ≈ (p − q)² / (2 q (1 − q)) for p ≈ q: here with q = 1 − 2e-12 the formula's 1 − q
     # comes from expm1, not from 1 − q in float64
     q, p = 1 - 2e-12, 1 - 1e-12

@@ -103,6 +103,15 @@ def test_current_policy_errors_name_the_input():
     with pytest.raises(InputError, match="passed no current_log_probs"):
         compute_mis_weights_packed(config, train_log_probs=flat, rollout_log_probs=torch.cat(rollout),
                                    loss_mask=torch.cat(masks), cu_seqlens=cu)
+    # a current-policy input of the wrong length is named as the host passed it, not as train_log_probs
+    for name in ("current_log_probs", "cur_log_probs"):
+        with pytest.raises(InputError, match=rf"^{name} has {flat.numel() - 1} tokens, rollout_log_probs has "
+                                             rf"{flat.numel()}"):
+            compute_mis_weights_packed(config, train_log_probs=flat, rollout_log_probs=torch.cat(rollout),
+                                       loss_mask=torch.cat(masks), cu_seqlens=cu, **{name: flat[:-1]})
+    with pytest.raises(InputError, match=r"^current_log_probs is a list"):
+        compute_mis_weights_packed(config, train_log_probs=flat, rollout_log_probs=torch.cat(rollout),
+                                   loss_mask=torch.cat(masks), cu_seqlens=cu, current_log_probs=list(train))
     weights, _, _ = compute_mis_weights_packed(config, train_log_probs=torch.zeros_like(flat),
                                                rollout_log_probs=torch.cat(rollout), loss_mask=torch.cat(masks),
                                                cu_seqlens=cu, current_log_probs=flat)
@@ -138,6 +147,9 @@ def test_lags_from_version_lags_and_from_miles_weight_versions():
      r"sequence 1: weight_versions\[1\]=\['default'\] holds no numeric version"),
     ({"weight_versions": [["1"], ["2"], ["4"]], "current_weight_version": "3"},
      r"sequence 2: weight_versions\[2\]=\['4'\] is newer than current_weight_version='3'"),
+    # a multi-turn sample with one call newer than the trainer: an error, although its oldest call is older
+    ({"weight_versions": [["1"], ["2", "5"], ["3"]], "current_weight_version": "3"},
+     r"sequence 1: weight_versions\[1\]=\['2', '5'\] is newer than current_weight_version='3'"),
     ({"weight_versions": [["1"], ["2"], ["3"]], "current_weight_version": "v3"},
      "current_weight_version='v3' is invalid"),
 ])
