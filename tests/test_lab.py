@@ -327,6 +327,23 @@ def test_wandb_offline_run_holds_what_metrics_jsonl_holds_and_the_config(tmp_pat
     assert (out_dir / "wandb_run_id").read_text().strip() == wandb_reader.run_id(log)
 
 
+def test_wandb_log_is_complete_when_train_returns_even_if_the_service_is_late(tmp_path, monkeypatch):
+    """wandb-core writes the offline log when it handles the run's ``inform_finish``, which ``finish()`` sends without
+    waiting: here that message never arrives (the slowest possible service), and the log must still hold every
+    step when train() returns (it waits for the service to close the stream)."""
+    pytest.importorskip("wandb")
+    import wandb_reader
+    from wandb.sdk.lib.service import service_connection
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(service_connection.ServiceConnection, "inform_finish", lambda self, run_id: None)
+    lab(tmp_path, "--wandb-project", "miles-mis-test", steps=2, name="late")
+    [log] = _offline_logs(tmp_path / "late")
+    assert wandb_reader.run_id(log) == (tmp_path / "late" / "wandb_run_id").read_text().strip()
+    assert [r["_step"] for r in wandb_reader.history(log)] == [1, 2]
+
+
 def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     """--resume logs the remaining steps to the run of the same id (a new offline folder; `wandb sync` joins them)."""
     pytest.importorskip("wandb")

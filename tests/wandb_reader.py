@@ -73,5 +73,10 @@ def config(path: Path) -> dict:
 
 
 def run_id(path: Path) -> str:
-    """The run id the log belongs to."""
-    return next(r.run.run_id for r in records(path) if r.WhichOneof("record_type") == "run")
+    """The run id the log belongs to (a log without its run record is an error naming the file: wandb-core writes
+    the log when it closes the run's stream, so a log read before that holds only its header)."""
+    for record in records(path):
+        if record.WhichOneof("record_type") == "run":
+            return record.run.run_id
+    raise ValueError(f"{path}: no run record ({Path(path).stat().st_size} bytes): the log is incomplete, read before "
+                     "wandb-core closed the run's stream")

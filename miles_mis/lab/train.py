@@ -465,8 +465,20 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> list[di
     if progress is not None:
         progress.close()
     if wandb_run is not None:
-        wandb_run.finish()
+        _finish_wandb(wandb_run)
     return run.history
+
+
+def _finish_wandb(wandb_run) -> None:
+    """Finish the W&B run with its files complete when this returns. ``finish()`` alone is not enough: its last
+    message to the wandb-core service (``inform_finish``, which closes the run's stream and only then writes the
+    offline transaction log, buffered until then) is sent without waiting for it, so a reader right after
+    ``train()`` could find the log's header only. ``wandb.teardown()`` waits for the service to close every stream
+    and exit; the next run starts a new one."""
+    import wandb
+
+    wandb_run.finish()
+    wandb.teardown()
 
 
 class Progress:
