@@ -29,13 +29,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import adaptive, divergence, gate, location, staleness
+from . import adaptive, divergence, gate, location, staleness, truncation
 from .config import MisConfig
 from . import ops
 from .ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP, indicator
 from .segments import PackedBatch
 
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
+_BATCH_PARTS = len(location.NAMES) + len(truncation.NAMES)  # the batch vector before the adaptive bound's histogram
 _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (weights are ≤ e^20)
 
 
@@ -334,12 +335,14 @@ def adaptive_token_level(config: MisConfig) -> bool:
 
 
 def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig) -> Tensor:
-    """This rank's fixed-size float64 vector of batch sums: miles_mis.location.NAMES, then, with an adaptive
+    """This rank's fixed-size float64 vector of batch sums: miles_mis.location.NAMES, miles_mis.truncation.NAMES,
+    then, with an adaptive
     token-level bound, the histogram of the passing tokens' ratios (miles_mis.adaptive). Combined over CP ranks
     with ``combine_batch_values`` (it travels in the agreement header)."""
-    values = location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
-                                   config.metrics_low_prob_threshold,
-                                   lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES))
+    values = torch.cat([location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
+                                              config.metrics_low_prob_threshold,
+                                              lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES)),
+                        truncation.local_values(terms.log_ratio, terms.usable, batch.mask_sizes)])
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
         values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges)])
@@ -347,9 +350,11 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
 
 
 def combine_batch_values(per_rank: Tensor) -> Tensor:
-    """[C, M] -> [M]: the location part combined by ``location.combine``, a histogram after it added."""
-    size = len(location.NAMES)
-    return torch.cat([location.combine(per_rank[:, :size]), per_rank[:, size:].sum(0)])
+    """[C, M] -> [M]: the location and truncation parts combined by their ``combine``, a histogram after them
+    added."""
+    size, end = len(location.NAMES), _BATCH_PARTS
+    return torch.cat([location.combine(per_rank[:, :size]), truncation.combine(per_rank[:, size:end]),
+                      per_rank[:, end:].sum(0)])
 
 
 def bound_token_terms(terms: TokenTerms, batch_values: Tensor, config: MisConfig,
@@ -360,7 +365,7 @@ def bound_token_terms(terms: TokenTerms, batch_values: Tensor, config: MisConfig
     at it. Otherwise the terms unchanged and None."""
     if not adaptive_token_level(config):
         return terms, None
-    hist = batch_values[len(location.NAMES):]
+    hist = batch_values[_BATCH_PARTS:]
     if reduce_histogram is not None:
         hist = reduce_histogram(hist)
     choice = adaptive.choose(hist, adaptive.candidates(config.tis_auto_bounds, hist.device),
@@ -471,6 +476,8 @@ def measure_batch(state: FinalizeState, batch_values: Tensor) -> None:
     """
     col = state.col
     state.batch_metrics = location.metrics(batch_values)
+    state.batch_metrics.update(truncation.metrics(batch_values[len(location.NAMES):_BATCH_PARTS],
+                                                  state.batch.mask_sizes is not None))
     gate_parts = gate.parts(col["sum_k3"].sum(), col["sum_log_ratio"].sum(),
                             col["n_usable"].sum(), batch_values[location.INDEX["max_abs_log_ratio"]])
     if state.reduce_gate is not None:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, core, distributed, gate, rejections, staleness, versions
+from . import advantages, core, distributed, gate, rejections, sampling_mask, staleness, versions
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -130,6 +130,7 @@ def compute_mis_weights_packed(
         train_log_probs = current.detach() if isinstance(current, Tensor) else current
     batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
                                                   train_name=train_name), config, given)
+    batch = sampling_mask.with_sizes(batch, given, batch.seq_lengths.tolist(), None)
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
@@ -156,7 +157,8 @@ def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict)
     """``packed`` with each sequence's lag (``miles_mis.versions``) when the host passes them: in the batch, and
     under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence); and
     with the advantages' signs when the config reads them (``miles_mis.advantages``)."""
-    batch = _batch_with_optional_inputs(packed.batch, config, kwargs)
+    batch = sampling_mask.with_sizes(_batch_with_optional_inputs(packed.batch, config, kwargs), kwargs,
+                                     packed.response_lengths, packed.local_positions)
     if batch.lags is None:
         return packed if batch is packed.batch else dataclasses.replace(packed, batch=batch)
     table = packed.length_table
@@ -258,7 +260,8 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
     check_pg_loss(pg_loss, packed.batch)
     terms = core.token_terms(packed.batch, config)
     rejected = core.token_rejections(terms, config) if cp.size > 1 and core.rejects_tokens(config) else None
-    return _PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None),
+    return _PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None,
+                                                           packed.batch.mask_sizes is not None),
                          core.local_batch_values(packed.batch, terms, config), rejected,
                          0 if rejected is None else int(rejected.sum()))
 
@@ -397,11 +400,12 @@ def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
         return distributed.SINGLE
 
 
-def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False) -> str:
+def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False) -> str:
     """The effective settings of a call as "key=value" lines: compared across ranks (fingerprint) and shown
-    key by key when they differ. Whether the host passed lags is one of them: it changes the table's width and
-    what the call computes, so every rank of a group must agree on it."""
-    values = dict(config.to_dict(), qkv_format=qkv_format, version_lags="given" if has_lags else "none")
+    key by key when they differ. Whether the host passed lags (they change the table's width) and sampling masks
+    (they add metrics) is part of it: every rank of a group must agree on them."""
+    values = dict(config.to_dict(), qkv_format=qkv_format, version_lags="given" if has_lags else "none",
+                  sampling_masks="given" if has_mask_sizes else "none")
     return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
 
 

@@ -50,6 +50,8 @@ class PackedBatch:
     # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.advantages), read by the directional divergence
     # options; None = not given or not needed
     advantage_signs: Tensor | None = None
+    # [N] float64 the engine's kept-set size of each token (miles_mis.sampling_mask; 0 = not recorded); None = not given
+    mask_sizes: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -164,6 +164,32 @@ def divergence_reference(cfg, sequences, put):
     return token_rejected, seq_rejected, gated_rejected
 
 
+def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, float]:
+    """The unreplayed-truncation detector (miles_mis/truncation.py) over the usable tokens, written out; with
+    ``sizes`` (each usable token's kept-set size, 0 = not recorded) the sampling-mask metrics too."""
+    from miles_mis import truncation
+
+    ells = [t["ell"] for t in usable]
+    nonzero = [e for e in ells if e != 0.0]
+    n = len(ells)
+    mean = sum(ells) / n if n else 0.0
+    variance = max(sum(e * e for e in ells) / n - mean * mean, 0.0) if n else 0.0
+    negative = sum(e < 0 for e in nonzero) / len(nonzero) if nonzero else 0.0
+    standardized = mean / math.sqrt(variance) if variance > 0 else 0.0
+    out = {"log_ratio_negative_fraction": negative, "log_ratio_standardized_mean": standardized,
+           "unreplayed_truncation": float(negative >= truncation.NEGATIVE_FRACTION
+                                          and standardized <= -truncation.STANDARDIZED_MEAN
+                                          and len(nonzero) >= truncation.MIN_TOKENS)}
+    if sizes is not None:
+        recorded = [s for s in sizes if s >= 1]
+        out.update({"sampling_mask_size_mean": sum(recorded) / len(recorded) if recorded else 0.0,
+                    "sampling_mask_size_min": float(min(recorded, default=0)),
+                    "sampling_mask_singleton_fraction": sum(s == 1 for s in recorded) / len(recorded)
+                    if recorded else 0.0,
+                    "sampling_mask_unrecorded_fraction": (len(sizes) - len(recorded)) / n if n else 0.0})
+    return out
+
+
 def batch_level_reference(cfg, sequences, put) -> bool:
     """Where the mismatch lives (location.py) and the batch gate (gate.py), token by token; returns gated."""
     usable = [t for toks in sequences for t in toks if t["usable"]]
@@ -183,6 +209,7 @@ def batch_level_reference(cfg, sequences, put) -> bool:
     }
     for a, b in POSITION_BUCKETS:
         values[f"k3_position_{a}_{'inf' if b == math.inf else b}"] = mean_k3([t for t in usable if a <= t["position"] < b])
+    values.update(truncation_reference(usable))
     exceeded = [name for name, threshold in cfg.rs_batch_gate if values[f"batch_{name}"] > threshold]
     gated = bool(exceeded) and cfg.use_tis
     if cfg.use_tis and cfg.rs_batch_gate:

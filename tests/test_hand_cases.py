@@ -167,6 +167,13 @@ def test_mismatch_metrics_by_hand():
         "mis_batch_k3": sum(k3(x) for x in lr_a + lr_b) / 5, "mis_batch_kl": -sum(lr_a + lr_b) / 5,
         "mis_batch_max_abs_log_ratio": math.log(4.0),
     }
+    # the truncation detector: 2 of the 4 nonzero l are negative; mean / std over the 5 usable tokens; too few
+    # tokens for an alarm
+    ells = lr_a + lr_b
+    mean = sum(ells) / 5
+    batch_level.update({"mis_log_ratio_negative_fraction": 0.5,
+                        "mis_log_ratio_standardized_mean": mean / math.sqrt(sum(x * x for x in ells) / 5 - mean ** 2),
+                        "mis_unreplayed_truncation": 0.0})
     assert sorted(metrics) == sorted(list(expect) + list(batch_level))
     for name, value in expect.items():
         assert values(metrics[name])[0] == [round(value, 5)] * 3, name

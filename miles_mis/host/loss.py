@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed
+from ..sampling_mask import KWARGS as SAMPLING_MASK_KWARGS
 from ..versions import LAG_KWARGS
 from ..layout import zigzag_layout
 from ..ops import indicator
@@ -256,7 +257,8 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     rollout = None if rollout_log_probs is None else flat(rollout_log_probs)
     mask = flat(loss_masks).to(train.device)
     cu_seqlens = torch.tensor([0, *response_lengths], dtype=torch.long, device=train.device).cumsum(0)
-    extra = {key: kwargs[key] for key in (*LAG_KWARGS, "advantages") if kwargs.get(key) is not None}
+    extra = {key: kwargs[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS, "advantages")
+             if kwargs.get(key) is not None}
     if kwargs.get("cur_log_probs") is not None:
         extra["current_log_probs"] = flat([t.detach() for t in kwargs["cur_log_probs"]])
     weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,
@@ -351,7 +353,8 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     advantages = torch.cat([a.detach().float() for a in batch["advantages"]]) if log_probs else torch.zeros(0)
     advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
     ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
-    lag_kwargs = {key: batch[key] for key in LAG_KWARGS if batch.get(key) is not None}
+    # what the batch holds for the plugin as it is: lags, and the engine's sampling masks (CSR offsets per sample)
+    lag_kwargs = {key: batch[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS) if batch.get(key) is not None}
     return SimpleNamespace(function=function, packed_config=packed_config, log_probs=list(log_probs),
                            lag_kwargs=lag_kwargs,
                            response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
