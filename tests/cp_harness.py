@@ -89,9 +89,9 @@ def local_positions(total: int, response: int, rank: int, cp: int, span: int) ->
 
 def shard(full: dict, pg_loss: torch.Tensor, rank: int, cp: int, fmt: str):
     """This rank's kwargs (sharded log-probs, full masks) and the flat indices of its tokens."""
-    # per-token lists in train_log_probs' (sharded) layout; loss_masks and everything else pass whole
-    names = [name for name in ("train_log_probs", "rollout_log_probs", "advantages", "cur_log_probs",
-                               "sampling_mask_sizes") if isinstance(full.get(name), (list, tuple))]
+    # per-token lists in train_log_probs' (sharded) layout; loss_masks, sampling masks and the rest pass whole
+    names = [name for name in ("train_log_probs", "rollout_log_probs", "advantages", "cur_log_probs")
+             if isinstance(full.get(name), (list, tuple))]
     positions, offset, local = [], 0, {name: [] for name in names}
     for i, n in enumerate(full["response_lengths"]):
         span = full["max_seq_lens"][i] if fmt == "bshd" else full["total_lengths"][i]
