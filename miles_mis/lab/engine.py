@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kept_set import KeptSets, truncation_keep
 from .model import TinyGPT, choose_experts, mix_experts
 from .task import EOS
 
@@ -43,21 +44,11 @@ def quantize_fp8(weight: Tensor) -> Tensor:
 
 
 def truncate_distribution(probs: Tensor, top_k: int, top_p: float) -> Tensor:
-    """The sampling distribution after top-k then top-p truncation, renormalised ([N, V] -> [N, V]).
-
-    top-k keeps the k most likely tokens (0 = off); top-p then keeps the smallest set of the most likely
-    tokens whose probability reaches p (1.0 = off), always at least the most likely one (SGLang/vLLM order)."""
+    """The sampling distribution after top-k then top-p truncation (kept_set.truncation_keep), renormalised
+    ([N, V] -> [N, V])."""
     if top_k <= 0 and top_p >= 1.0:
         return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if top_k > 0:
-        keep[:, top_k:] = False
-    if top_p < 1.0:
-        kept_probs = sorted_probs * keep
-        before = kept_probs.cumsum(-1) - kept_probs  # mass of the more likely kept tokens
-        keep &= before < top_p * kept_probs.sum(-1, keepdim=True)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    kept = probs * truncation_keep(probs, top_k, top_p)
     return kept / kept.sum(-1, keepdim=True)
 
 
@@ -149,14 +140,16 @@ class RolloutEngine:
     def generate(self, prompts: Tensor, max_new_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
         """Sample a response per prompt (until EOS). Returns (responses, per-token log-probs): the log-probs of
         the sampled tokens under softmax(logits / T) (``logprob_source`` full) or under the truncated
-        distribution sampled from (processed). A MoE engine's expert choices of the last call are in
+        distribution sampled from (processed). The sets sampled from (top-k/top-p) are in ``last_kept``. A MoE
+        engine's expert choices of the last call are in
         ``last_routing``: per response, [n_layers, prompt_len + len − 1, k] (every position it ran)."""
         count, prompt_len = prompts.shape
         cache = [{} for _ in range(self.cfg.n_layers)]
         for position in range(prompt_len - 1):
             self._step(prompts[:, position], position, cache)
         current = prompts[:, -1]
-        tokens, log_probs = [], []
+        tokens, log_probs, keeps = [], [], []
+        truncating = self.top_k > 0 or self.top_p < 1.0
         done = torch.zeros(count, dtype=torch.bool)
         lengths = torch.full((count,), max_new_tokens)
         for step in range(max_new_tokens):
@@ -166,6 +159,8 @@ class RolloutEngine:
             step_log_probs = torch.log_softmax(logits / self.temperature, dim=-1)
             sampling = truncate_distribution(step_log_probs.exp(), self.top_k, self.top_p)
             current = torch.multinomial(sampling, 1, generator=self.generator).squeeze(1)
+            if truncating:  # the sampling mask: exactly the set sampled from
+                keeps.append(truncation_keep(step_log_probs.exp(), self.top_k, self.top_p))
             tokens.append(current)
             reported = step_log_probs if self.logprob_source == "full" else sampling.log()
             log_probs.append(reported.gather(1, current[:, None]).squeeze(1))
@@ -176,6 +171,11 @@ class RolloutEngine:
                 break
         tokens = torch.stack(tokens, 1)
         log_probs = torch.stack(log_probs, 1)
+        self.last_kept = None  # per response, its sampling masks (KeptSets); None when nothing truncates
+        if truncating:
+            keep = torch.stack(keeps, 1)  # [count, steps, V]
+            self.last_kept = [KeptSets.from_mask(keep[i, :int(lengths[i])], tokens[i, :int(lengths[i])])
+                              for i in range(count)]
         self.last_routing = None
         if self.cfg.moe_experts:  # [n_layers, count, positions run, k] -> per response, the positions it used
             routing = torch.stack([torch.stack(layer_cache["choices"], 1) for layer_cache in cache])

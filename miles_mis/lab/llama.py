@@ -178,3 +178,20 @@ class Llama(nn.Module):
             picked = logits.gather(1, targets[start:start + chunk, None]).squeeze(1)
             out.append(picked - torch.logsumexp(logits, dim=-1))
         return torch.cat(out) if out else normed.new_zeros(0)
+
+    def kept_token_log_probs(self, normed: Tensor, targets: Tensor, temperature: float, kept, recompute,
+                             chunk: int = 512):
+        """``token_log_probs`` over kept sets (kept_set.score): the given ``kept`` KeptSets of the N rows, or with
+        ``recompute`` (top-k, top-p) the trainer's own; (log-probs [N], the sets used), ``chunk`` rows at a time."""
+        from .kept_set import KeptSets, recompute_sets, score
+
+        weight = self.model.embed_tokens.weight
+        out, used = [], []
+        for start in range(0, normed.shape[0], chunk):
+            end = min(start + chunk, normed.shape[0])
+            logits = (normed[start:end] @ weight.t()) / temperature
+            sets = kept.rows(start, end) if kept is not None else recompute_sets(logits.detach(), targets[start:end],
+                                                                                 *recompute)
+            used.append(sets)
+            out.append(score(logits, targets[start:end], sets))
+        return (torch.cat(out) if out else normed.new_zeros(0)), KeptSets.cat(used)

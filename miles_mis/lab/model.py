@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kept_set
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -142,13 +144,16 @@ def right_padded(sequences: list[Tensor]) -> Tensor:
 
 
 def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: list[int],
-                       temperature: float, routing: list[Tensor] | None = None) -> list[Tensor]:
+                       temperature: float, routing: list[Tensor] | None = None, kept: list | None = None,
+                       recompute: tuple[int, float] | None = None) -> list[Tensor] | tuple[list[Tensor], list]:
     """Trainer log-probs of every response token (fp32 full forward, logits / T), one tensor per sequence.
 
     Sequences are right-padded into one batch; sequence i's response token j is scored at position
     prompt_len − 1 + j, as in Megatron. ``routing``: per sequence, the engine's expert choices
     [n_layers, L_i − 1, k] to replay (router replay); the last position, which the engine never ran, uses
-    the trainer's own router (its output scores nothing).
+    the trainer's own router (its output scores nothing). ``kept``: per sequence, the kept sets (kept_set.KeptSets)
+    to score over instead of the whole vocabulary; ``recompute`` (top-k, top-p): also return the trainer's own sets
+    of the response tokens, (log-probs over them, sets).
     """
     padded = right_padded(sequences)
     replay = None
@@ -157,12 +162,18 @@ def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: 
         replay = torch.full((layers, *padded.shape, top_k), NO_CHOICE, dtype=torch.long)
         for i, choices in enumerate(routing):
             replay[:, i, :choices.shape[1]] = choices
-    log_probs = torch.log_softmax(model(padded, replay).float() / temperature, dim=-1)
-    out = []
+    logits = model(padded, replay).float() / temperature
+    if kept is None and recompute is None:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        return [log_probs[i, p - 1:s.numel() - 1].gather(1, s[p:, None]).squeeze(1)
+                for i, (s, p) in enumerate(zip(sequences, prompt_lengths))]
+    out, sets = [], []
     for i, (s, p) in enumerate(zip(sequences, prompt_lengths)):
-        targets = s[p:]
-        out.append(log_probs[i, p - 1:s.numel() - 1].gather(1, targets[:, None]).squeeze(1))
-    return out
+        rows, targets = logits[i, p - 1:s.numel() - 1], s[p:]
+        own = kept[i] if kept is not None else kept_set.recompute_sets(rows.detach(), targets, *recompute)
+        sets.append(own)
+        out.append(kept_set.score(rows, targets, own))
+    return (out, sets) if recompute is not None else out
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import arithmetic, smollm, vllm_engine
+from . import arithmetic, kept_set, smollm, vllm_engine
 from .model import right_padded
 from .policy import Prompts
 
@@ -143,32 +143,41 @@ class SmolLMPolicy:
         return torch.tensor([arithmetic.reward(p, t) for p, t in zip(prompts.problems, texts)])
 
     # ------------------------------------------------------------------ log-probs
-    def _response_log_probs(self, normed: Tensor, sequences: list[Tensor], prompt_lengths: list[int]) -> list[Tensor]:
-        """Per sequence, log softmax(z / T) of its response tokens; z only at response positions (chunked)."""
+    def _response_log_probs(self, normed: Tensor, sequences: list[Tensor], prompt_lengths: list[int],
+                            kept: list | None = None, recompute: tuple[int, float] | None = None) -> list[Tensor]:
+        """Per sequence, log softmax(z / T) of its response tokens (over its ``kept`` sets, or the trainer's own sets
+        with ``recompute``, left in ``last_kept``); z only at response positions, a chunk of rows at a time."""
+        lengths = [s.numel() - p for s, p in zip(sequences, prompt_lengths)]
         rows = torch.cat([torch.full((s.numel() - p,), i) for i, (s, p) in enumerate(zip(sequences, prompt_lengths))])
         cols = torch.cat([torch.arange(p - 1, s.numel() - 1) for s, p in zip(sequences, prompt_lengths)])
         targets = torch.cat([s[p:] for s, p in zip(sequences, prompt_lengths)])
-        flat = self.model.token_log_probs(normed[rows, cols], targets, self.args.rollout_temperature)
-        return list(flat.split([s.numel() - p for s, p in zip(sequences, prompt_lengths)]))
+        if kept is None and recompute is None:
+            flat = self.model.token_log_probs(normed[rows, cols], targets, self.args.rollout_temperature)
+            return list(flat.split(lengths))
+        flat, sets = self.model.kept_token_log_probs(normed[rows, cols], targets, self.args.rollout_temperature,
+                                                     None if kept is None else kept_set.KeptSets.cat(kept), recompute)
+        if recompute is not None:
+            self.last_kept = sets.split(lengths)
+        return list(flat.split(lengths))
 
-    def old_log_probs(self, sequences: list[Tensor], prompt_lengths: list[int],
-                      routing: list[Tensor] | None = None) -> tuple[list[Tensor], Any]:
+    def old_log_probs(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
+                      kept: list | None = None, recompute: tuple[int, float] | None = None) -> tuple[list[Tensor], Any]:
         """π_old, and the frozen blocks' output per sequence (reused by the minibatch steps; None when all train)."""
         with torch.no_grad():
             padded = right_padded(sequences)
             trunk = self.model.trunk(padded, self.frozen_layers)
             normed = self.model.head_from(trunk, self.frozen_layers)
             features = None if self.frozen_layers == 0 else [trunk[i, :s.numel()] for i, s in enumerate(sequences)]
-            return self._response_log_probs(normed, sequences, prompt_lengths), features
+            return self._response_log_probs(normed, sequences, prompt_lengths, kept, recompute), features
 
     def log_probs(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
-                  features: Any = None) -> list[Tensor]:
+                  features: Any = None, kept: list | None = None) -> list[Tensor]:
         if features is None:
             trunk = self.model.trunk(right_padded(sequences), self.frozen_layers)
         else:
             trunk = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
         normed = self.model.head_from(trunk, self.frozen_layers)
-        return self._response_log_probs(normed, sequences, prompt_lengths)
+        return self._response_log_probs(normed, sequences, prompt_lengths, kept)
 
     def select_features(self, features: Any, indices: list[int]) -> Any:
         return None if features is None else [features[i] for i in indices]

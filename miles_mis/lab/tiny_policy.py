@@ -81,15 +81,21 @@ class TinyPolicy:
     def rewards(self, prompts: Prompts, responses: list[Tensor]) -> Tensor:
         return torch.tensor([task.reward(p, r, self.args.task) for p, r in zip(prompts.problems, responses)])
 
-    def old_log_probs(self, sequences: list[Tensor], prompt_lengths: list[int],
-                      routing: list[Tensor] | None = None) -> tuple[list[Tensor], Any]:
+    def old_log_probs(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
+                      kept: list | None = None, recompute: tuple[int, float] | None = None) -> tuple[list[Tensor], Any]:
+        """π_old (over the ``kept`` sets, or, with ``recompute`` (top-k, top-p), over the trainer's own sets, which
+        are left in ``last_kept``)."""
         with torch.no_grad():
-            return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature,
-                                      routing), None
+            out = sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature, routing,
+                                     kept, recompute)
+        if recompute is not None:
+            out, self.last_kept = out
+        return out, None
 
     def log_probs(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
-                  features: Any = None) -> list[Tensor]:
-        return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature, routing)
+                  features: Any = None, kept: list | None = None) -> list[Tensor]:
+        return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature, routing,
+                                  kept)
 
     def select_features(self, features: Any, indices: list[int]) -> Any:
         return None

