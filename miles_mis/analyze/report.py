@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
+from . import truncation as _truncation
 from .figures import finite_number as _finite
 
 USAGE = "--use-tis --custom-tis-function-path miles_mis.compute_mis_weights_with_cp --custom-config-path"
@@ -160,6 +161,7 @@ def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | 
     if figures is None:
         lines += [f"_{figures_note or _figures_note()}_", ""]
     lines += _whole_dump(statistics)
+    lines += _truncation_section(statistics)
     lines += ["## Where the mismatch lives", ""]
     for key in BUCKETS:
         lines += _bucket_section(statistics, key, figures)
@@ -170,6 +172,16 @@ def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | 
     lines += _candidates_section(results, recommendation)
     lines += _recommendation_section(recommendation, config_path)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
+    """The unreplayed-truncation detector over the dump, in words."""
+    values = statistics.get("truncation")
+    if not values:
+        return []
+    return (["## Truncated sampling", ""] + _truncation.advice(values["negative_fraction"],
+                                                               values["standardized_mean"], bool(values["fired"]))
+            + [""])
 
 
 def _figures_note() -> str:

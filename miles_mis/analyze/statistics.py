@@ -27,6 +27,9 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from .. import truncation as _truncation
+from .truncation import local_values, summary
+
 from ..core import LOG_PROB_BOUND
 from ..ops import LOG_RATIO_CLAMP
 from ..staleness import BUCKETS as LAG_BUCKETS
@@ -70,6 +73,7 @@ class StatisticsAccumulator:
         # lag bucket (0, 1, 2, 3plus) -> [sequences, tokens, Σ k3, Σ k1, Σ |ℓ|], of the sequences whose lag is known
         self.by_lag = torch.zeros(len(LAG_BUCKETS), 5, dtype=torch.float64)
         self.worst: list[dict] = []
+        self.truncation = torch.zeros(len(_truncation.NAMES), dtype=torch.float64)  # the detector's sums
 
     # ------------------------------------------------------------------ update
     def update(self, batch: CallBatch) -> None:
@@ -77,6 +81,7 @@ class StatisticsAccumulator:
             return
         tokens = _tokens(batch)
         self._whole(tokens, batch)
+        self.truncation = _truncation_sums(self.truncation, local_values(tokens["ell"], tokens["usable"]))
         usable = tokens["usable"]
         k3, k1, abs_ell = tokens["k3"], -tokens["ell"], tokens["ell"].abs()
         known = usable & (tokens["positions"] >= 0)
@@ -190,6 +195,7 @@ class StatisticsAccumulator:
             "seq_product_outside_half_two_fraction": (t["sequences_outside"] / t["sequences_usable"]
                                                       if t["sequences_usable"] else None),
             "mean_response_length": t["sum_response_length"] / t["sequences"] if t["sequences"] else 0.0,
+            "truncation": summary(self.truncation),
             "by_position": _position_rows(self.by_position),
             "by_rollout_prob": _prob_rows(self.by_prob),
             "by_length": _length_rows(self.by_length),
@@ -215,6 +221,11 @@ class StatisticsAccumulator:
 
 
 # --------------------------------------------------------------------------- token terms of a batch
+def _truncation_sums(total: Tensor, values: Tensor) -> Tensor:
+    """Two batches' detector vectors combined (sums added, the maxima maxed), as CP ranks' are."""
+    return _truncation.combine(torch.stack([total, values]))
+
+
 def _tokens(batch: CallBatch) -> dict[str, Tensor]:
     """The batch's tokens concatenated (float64), with the plugin's notion of a usable token."""
     lengths = torch.tensor([t.numel() for t in batch.old_log_probs], dtype=torch.long)

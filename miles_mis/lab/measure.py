@@ -33,15 +33,27 @@ from .. import compute_mis_weights
 from ..config import MisConfig, preset_files
 from .dump import PolicyLossDumper, policy_loss_record
 from .train import build_parser as train_parser
-from .train import group_advantages, make_policy, parse_args, raw_mismatch
+from .kept_set import KeptSets
+from .train import group_advantages, make_policy, old_log_probs_over_sets, parse_args, raw_mismatch
 
 LOCATION_KEYS = ("mis_k3_first_token", "mis_k3_low_rollout_prob", "mis_low_rollout_prob_token_fraction")
+DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean", "mis_unreplayed_truncation")
+
+
+# train flags that steer only training: measure accepts them (a train command line works) but lists only what acts
+NOT_ACTING = ("steps", "lr", "num_minibatches", "grad_clip", "save_interval", "resume", "wandb_project",
+              "dump_interval", "quiet", "rollout_staleness", "async_max_lag", "out_dir", "context_parallel_size",
+              "mis_set")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = train_parser()
     parser.prog = "miles-mis measure"
     parser.description = __doc__
+    host_group = next(g for g in parser._action_groups if g.title.startswith("policy loss"))
+    for action in parser._actions:  # the policy-loss flags and the training-only ones have no effect here
+        if action.dest in NOT_ACTING or action in host_group._group_actions:
+            action.help = argparse.SUPPRESS
     group = parser.add_argument_group("measure")
     group.add_argument("--batches", type=int, default=4, help="rollout batches to measure, >= 1")
     group.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the row as JSON")
@@ -72,15 +84,16 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-") if args.dump_details is None else None
     dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
     dumper = PolicyLossDumper(dump_dir, 0)
-    old_all, rollout_all, rewards = [], [], []
+    old_all, rollout_all, rewards, kept = [], [], [], []
     for batch, batch_rewards in rollout_batches(args, progress, engine, policy):
+        kept += batch.get("kept", [])
         dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
         old_all += batch["log_probs"]
         rollout_all += batch["rollout_log_probs"]
         rewards.append(batch_rewards)
     row = {"model": args.model, "engine": args.engine, "setting": setting_name(args),
            **mismatch_summary(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
-           **_live_location(old_all, rollout_all)}
+           **_live_location(old_all, rollout_all), **kept_set_summary(kept)}
     analysis = analyze(dump_dir)
     row["by_rollout_prob"] = [{"bucket": r["bucket"], "tokens": r["tokens"], "k3": r["k3"]}
                               for r in analysis.statistics["by_rollout_prob"] if r["tokens"]]
@@ -106,12 +119,16 @@ def rollout_batches(args: argparse.Namespace, progress: bool = True, engine=None
         responses, rollout_log_probs = engine.generate(prompts.tokens, policy.max_new_tokens)
         batch_rewards = policy.rewards(prompts, responses)
         sequences = [torch.cat([p, r]) for p, r in zip(prompts.tokens, responses)]
-        old_log_probs, _ = policy.old_log_probs(sequences, prompts.lengths)
+        engine_kept = getattr(engine, "last_kept", None)
+        old_log_probs, _, kept, _ = old_log_probs_over_sets(args, policy, sequences, prompts.lengths, None,
+                                                            engine_kept)
         advantages = group_advantages(batch_rewards, args.group_size)
         batch = {"advantages": [torch.full((r.numel(),), float(a)) for r, a in zip(responses, advantages)],
                  "log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs,
                  "loss_masks": [torch.ones(r.numel()) for r in responses],
                  "response_lengths": [r.numel() for r in responses], "total_lengths": [s.numel() for s in sequences]}
+        if kept is not None or engine_kept is not None:  # the sets scored over, else the engine's (sizes only)
+            batch["kept"] = kept if kept is not None else engine_kept
         if progress:
             k3 = raw_mismatch(old_log_probs, rollout_log_probs)["raw_k3"]
             print(f"measure {batch_index + 1}/{args.batches} {setting_name(args)}: k3 {k3:.2e} reward "
@@ -128,11 +145,22 @@ def mismatch_summary(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> di
             "max_abs_log_ratio": float(diff.max()), "tokens": int(diff.numel()), "sequences": len(old)}
 
 
+def kept_set_summary(kept: list) -> dict:
+    """The kept-set sizes of every response token (median, mean, 90th percentile, share of singletons) and their CSR
+    memory per token (int32 ids + offsets, as the hosts carry them); {} without truncation."""
+    if not kept:
+        return {}
+    sizes = KeptSets.cat(kept).sizes.double()
+    return {"kept_set_size_median": float(sizes.median()), "kept_set_size_mean": float(sizes.mean()),
+            "kept_set_size_p90": float(sizes.quantile(0.9)), "kept_set_singleton_fraction": float((sizes == 1).double().mean()),
+            "kept_set_bytes_per_token": float(4 * sizes.mean() + 4)}
+
+
 def _live_location(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
     """The plugin's batch-level location metrics over all samples (one metrics-only call)."""
     _, _, metrics = compute_mis_weights(MisConfig.preset("metrics_only"), train_log_probs=old,
                                         rollout_log_probs=rollout, loss_masks=[torch.ones(t.numel()) for t in old])
-    keys = [k for k in metrics if k in LOCATION_KEYS or k.startswith("mis_k3_position_")]
+    keys = [k for k in metrics if k in LOCATION_KEYS or k in DETECTOR_KEYS or k.startswith("mis_k3_position_")]
     return {key: float(metrics[key][0][0]) for key in keys}
 
 
@@ -147,6 +175,7 @@ def render(row: dict) -> str:
              "  k3 by position: " + "  ".join(f"[{start}, {end}) {value:.2e}" for start, end, value in _positions(row)),
              "  k3 by engine probability: " + "  ".join(f"{b['bucket']} {b['k3']:.2e} (n={b['tokens']})"
                                                        for b in row["by_rollout_prob"]),
+             *truncation_lines(row),
              "", "  config              kept tokens  kept seqs  bounded  ESS after"]
     for name, r in row["configs"].items():
         cells = [_pct(r["kept_token_fraction"]), _pct(r["kept_sequence_fraction"]), _pct(r["bounded_fraction"]),
@@ -154,6 +183,21 @@ def render(row: dict) -> str:
         lines.append(f"  {name:<18}  {cells[0]:>11}  {cells[1]:>9}  {cells[2]:>7}  {cells[3]:>9}")
     lines.append(f"  the analyzer recommends: {row['recommendation']}   ({row['seconds']:.0f} s)")
     return "\n".join(lines)
+
+
+def truncation_lines(row: dict) -> list[str]:
+    """The truncation detector and the kept sets, in words (the same advice as ``miles-mis analyze``)."""
+    from ..analyze.truncation import advice
+
+    lines = []
+    if "kept_set_size_median" in row:
+        lines.append(f"  kept sets: median {row['kept_set_size_median']:.0f} tokens, mean {row['kept_set_size_mean']:.1f}, "
+                     f"90th percentile {row['kept_set_size_p90']:.0f}, singletons {row['kept_set_singleton_fraction']:.1%}"
+                     f" ({row['kept_set_bytes_per_token']:.0f} B per token as int32 CSR)")
+    lines += [f"  {line}" for line in advice(row["mis_log_ratio_negative_fraction"],
+                                                        row["mis_log_ratio_standardized_mean"],
+                                                        bool(row["mis_unreplayed_truncation"]))]
+    return lines
 
 
 def _positions(row: dict) -> list[tuple[int, str, float]]:

@@ -396,21 +396,25 @@ def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, version
 
 
 def _old_log_probs(run: LabRun, args: argparse.Namespace, sequences, prompt_lengths, routing, engine_kept):
+    return old_log_probs_over_sets(args, run.policy, sequences, prompt_lengths, routing, engine_kept)
+
+
+def old_log_probs_over_sets(args: argparse.Namespace, policy, sequences, prompt_lengths, routing, engine_kept):
     """π_old of every response token, the policy's features, the kept sets every later pass scores over (None with
     --sampling-mask off) and the step's sampling-mask metrics: mean kept-set size, and with recompute the share of
     tokens whose sampled token the trainer's set missed (added) and, where the engine recorded its sets, the share
     whose recomputed set differs from the engine's."""
     mode = args.sampling_mask
     if mode == "off":
-        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing)
+        old, features = policy.old_log_probs(sequences, prompt_lengths, routing)
         return old, features, None, {}
     if mode == "engine":
-        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing, kept=engine_kept)
+        old, features = policy.old_log_probs(sequences, prompt_lengths, routing, kept=engine_kept)
         kept = engine_kept
     else:
-        old, features = run.policy.old_log_probs(sequences, prompt_lengths, routing,
-                                                 recompute=(args.rollout_top_k, args.rollout_top_p))
-        kept = run.policy.last_kept
+        old, features = policy.old_log_probs(sequences, prompt_lengths, routing,
+                                             recompute=(args.rollout_top_k, args.rollout_top_p))
+        kept = policy.last_kept
     joined = kept_set.KeptSets.cat(kept)
     tokens = max(len(joined), 1)
     row = {"kept_set_size_mean": float(joined.sizes.double().mean()) if len(joined) else 0.0}
