@@ -87,6 +87,35 @@ def atlas(batches: int) -> None:
             append("atlas", dict(row, name=name, batches=batches))
 
 
+# --------------------------------------------------------------------------- truncated sampling
+_PROCESSED = ["--rollout-logprob-source", "processed"]
+TRUNCATION_SETTINGS = {  # SmolLM2 on vLLM: the detector's false alarms (untruncated) and true alarms (processed)
+    "fp32": ["--rollout-dtype", "fp32"], "fp16": ["--rollout-dtype", "fp16"], "bf16": ["--rollout-dtype", "bf16"],
+    "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
+    "bf16, top-p 0.9, full log-probs": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9"],
+    **{f"bf16, {name}, processed, mask {mode}": ["--rollout-dtype", "bf16", *flags, *_PROCESSED, "--sampling-mask", mode]
+       for name, flags in (("top-p 0.9", ["--rollout-top-p", "0.9"]), ("top-k 50", ["--rollout-top-k", "50"]),
+                           ("top-p 0.7", ["--rollout-top-p", "0.7"]))
+       for mode in ("off", "recompute")},
+}
+
+
+def truncation(batches: int) -> None:
+    """Each TRUNCATION_SETTINGS row of `miles-mis measure` on SmolLM2-135M (resumable: done rows are skipped)."""
+    done = {r["name"] for r in read("truncation")}
+    for name, flags in TRUNCATION_SETTINGS.items():
+        if name in done:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            command = [sys.executable, "-m", "miles_mis.cli", "measure", *MODELS["smollm2-135m"], *flags, "--batches",
+                       str(batches), "--prompts-per-step", "16", "--group-size", "4", "--json", str(out)]
+            print(f"truncation: {name}", file=sys.stderr, flush=True)
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            row = json.loads(out.read_text())
+        append("truncation", dict(row, name=name, batches=batches))
+
+
 # --------------------------------------------------------------------------- batch variance
 def variance(dtypes: list[str]) -> None:
     done = {r["dtype"] for r in read("variance")}
@@ -331,7 +360,7 @@ def tables() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("atlas", "variance", "rl", "tables"))
+    parser.add_argument("part", choices=("atlas", "truncation", "variance", "rl", "tables"))
     parser.add_argument("--batches", type=int, default=4, help="atlas: batches of 64 samples per row (default: 4)")
     parser.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"], help="variance: engine dtypes")
     parser.add_argument("--seeds", type=int, default=2, help="rl: seeds per cell (default: 2)")
@@ -341,6 +370,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.part == "atlas":
         atlas(args.batches)
+    elif args.part == "truncation":
+        truncation(args.batches)
     elif args.part == "variance":
         variance(args.dtypes)
     elif args.part == "rl":

@@ -193,6 +193,20 @@ def test_measure_on_the_tiny_model_equals_the_mismatch_of_its_batches(tmp_path, 
     assert "tiny on embedded, bf16 + fp8 weights" in out.out and "measure 2/2" in out.err
 
 
+def test_measure_help_lists_only_the_flags_that_act(capsys):
+    from miles_mis.lab.measure import build_parser
+
+    text = build_parser().format_help()
+    for acting in ("--rollout-top-p", "--sampling-mask", "--batches", "--model", "--rollout-dtype", "--seed"):
+        assert acting in text, acting
+    for inert in ("--steps", "--lr", "--use-tis", "--eps-clip", "--resume", "--wandb-project", "--rollout-staleness"):
+        assert f"{inert} " not in text and f"{inert}\n" not in text, inert
+    # still accepted, so a train command line measures as it is
+    from miles_mis.lab.train import parse_args
+
+    assert parse_args(["--steps", "5", "--use-tis"], build_parser()).steps == 5
+
+
 def test_measure_refuses_zero_batches():
     from miles_mis.lab.measure import main
 

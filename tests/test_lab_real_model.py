@@ -269,6 +269,29 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
         assert line in captured.out
     assert len(list((tmp_path / "dumps" / "policy_loss_debug").glob("rank_0_call_*.pt"))) == 2
     assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / "analysis")]) == 0
+    # untruncated bf16: no false alarm of the truncation detector, live or in the analyzer's words
+    assert row["mis_unreplayed_truncation"] == 0.0 and 0.3 < row["mis_log_ratio_negative_fraction"] < 0.7
+    assert "no sign of unreplayed truncated sampling" in captured.out
+    assert "no sign of unreplayed truncated sampling" in (tmp_path / "analysis" / "report.md").read_text()
+
+
+def test_processed_top_p_is_detected_and_replay_clears_it(tmp_path, capsys):
+    """Real dumps of SmolLM2 on vLLM at top-p 0.9 with processed log-probs: the detector fires (measure and the
+    analyzer say so in words); the trainer over its recomputed kept sets clears it and reports their sizes."""
+    from miles_mis.cli import main
+
+    flags = ["measure", "--model", "smollm2-135m", "--batches", "1", "--prompts-per-step", str(PROMPTS),
+             "--group-size", str(GROUP), "--rollout-top-p", "0.9", "--rollout-logprob-source", "processed"]
+    assert main([*flags, "--dump-details", str(tmp_path / "off"), "--json", str(tmp_path / "off.json")]) == 0
+    off = json.loads((tmp_path / "off.json").read_text())
+    assert off["mis_unreplayed_truncation"] == 1.0 and off["mis_log_ratio_negative_fraction"] > 0.9
+    assert "look renormalised over a truncated set" in capsys.readouterr().out
+    assert main(["analyze", str(tmp_path / "off"), "--out-dir", str(tmp_path / "analysis")]) == 0
+    assert "look renormalised over a truncated set" in (tmp_path / "analysis" / "report.md").read_text()
+    assert main([*flags, "--sampling-mask", "recompute", "--json", str(tmp_path / "replay.json")]) == 0
+    replay = json.loads((tmp_path / "replay.json").read_text())
+    assert replay["mis_unreplayed_truncation"] == 0.0 and replay["k3"] < off["k3"] / 10
+    assert replay["kept_set_size_median"] >= 1 and 0 < replay["kept_set_singleton_fraction"] < 1
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -176,7 +176,8 @@ def make_policy(args: argparse.Namespace):
 def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torch.Tensor]) -> dict[str, float]:
     """The batch's raw mismatch, over every response token, ℓ = log π_old − log π_rollout, ρ = e^clamp(ℓ, ±20):
 
-      raw_kl = mean(−ℓ),   raw_ess = (Σρ)² / (N Σρ²),   raw_k3 = mean(max(expm1(clamp(ℓ)) − ℓ, 0))
+      raw_kl = mean(−ℓ),   raw_ess = (Σρ)² / (N Σρ²),   raw_k3 = mean(max(expm1(clamp(ℓ)) − ℓ, 0)),
+      raw_ratio_mean = mean(ρ)
 
     all in float64, from the float64 differences of the log-probs: an engine that nearly agrees has k3 ≈ ℓ²/2
     (5e-9 at ℓ = 1e-4), below float32's resolution of e^ℓ near 1 (6e-8), where e^ℓ − ℓ − 1 cancels to 0
@@ -185,7 +186,8 @@ def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torc
     raw = torch.cat([o.double() - r.double() for o, r in zip(old_log_probs, rollout_log_probs)])
     ratio = raw.clamp(-20, 20).exp()
     ess = ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())
-    return {"raw_kl": float(-raw.mean()), "raw_ess": float(ess), "raw_k3": float(k3_terms(raw).mean())}
+    return {"raw_kl": float(-raw.mean()), "raw_ess": float(ess), "raw_k3": float(k3_terms(raw).mean()),
+            "raw_ratio_mean": float(ratio.mean())}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

