@@ -235,6 +235,26 @@ def atlas_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def truncation_table(rows: list[dict]) -> str:
+    """Per setting: the mismatch, the detector's values and, where the trainer scored over kept sets, their sizes."""
+    from miles_mis import truncation
+
+    lines = ["| engine setting | k3 | mean \\|Δ log p\\| | ESS | negative ℓ | mean ℓ | mean/std | alarm | kept set: median / "
+             "mean / p90 | singletons | B / token | s |", "|" + "---|" * 12]
+    for r in rows:
+        kept = (f"{r['kept_set_size_median']:.0f} / {r['kept_set_size_mean']:.1f} / {r['kept_set_size_p90']:.0f} | "
+                f"{r['kept_set_singleton_fraction']:.0%} | {r['kept_set_bytes_per_token']:.0f}"
+                if "kept_set_size_median" in r else "— | — | —")
+        mean = -r["kl"]  # over every response token, as the detector's mean (all are usable here)
+        alarm = (r["mis_log_ratio_negative_fraction"] >= truncation.NEGATIVE_FRACTION
+                 and r["mis_log_ratio_standardized_mean"] <= -truncation.STANDARDIZED_MEAN
+                 and mean <= -truncation.MEAN_SHIFT)  # the current rule, from the row's own values
+        lines.append(f"| {r['name']} | {r['k3']:.2e} | {r['mean_abs_log_ratio']:.4f} | {r['ess']:.4f} | "
+                     f"{r['mis_log_ratio_negative_fraction']:.3f} | {mean:+.2e} | "
+                     f"{r['mis_log_ratio_standardized_mean']:+.3f} | {int(alarm)} | {kept} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
 def config_table(rows: list[dict], model: str = "smollm2-135m") -> str:
     """Per setting and shipped config: kept tokens / kept sequences / bounded / ESS after."""
     rows = [r for r in rows if r["model"] == model]
@@ -351,6 +371,8 @@ def tables() -> None:
     print(config_table(read("atlas")), end="\n\n")
     print(config_table(read("atlas"), "tiny"), end="\n\n")
     print(variance_table(read("variance")))
+    if read("truncation"):
+        print("\n" + truncation_table(read("truncation")))
     rows = read("rl")
     if rows:
         print(rl_table(rows))

@@ -45,7 +45,9 @@ def compute_mis_weights_with_cp(
     policy's log-probs ``cur_log_probs``/``current_log_probs`` (same layout as ``train_log_probs``; read with
     ``tis_policy: current``), each sequence's lag, ``version_lags`` or ``weight_versions`` with
     ``current_weight_version`` (docs/staleness.md), and ``advantages`` (per sequence in ``train_log_probs``' layout,
-    or flat; read by the directional ``rs_divergence`` options). Other unknown kwargs are ignored. Any failure on any CP rank
+    or flat; read by the directional ``rs_divergence`` options), and the engine's sampling masks as the hosts carry
+    them (``rollout_sampling_mask_offsets``, ``rollout_top_p_token_offsets`` or ``sampling_mask_sizes``, per sequence
+    over the whole response; miles_mis.sampling_mask). Other unknown kwargs are ignored. Any failure on any CP rank
     (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
     """
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with

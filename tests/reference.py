@@ -177,8 +177,10 @@ def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, f
     negative = sum(e < 0 for e in nonzero) / len(nonzero) if nonzero else 0.0
     standardized = mean / math.sqrt(variance) if variance > 0 else 0.0
     out = {"log_ratio_negative_fraction": negative, "log_ratio_standardized_mean": standardized,
+           "log_ratio_mean": mean,
            "unreplayed_truncation": float(negative >= truncation.NEGATIVE_FRACTION
                                           and standardized <= -truncation.STANDARDIZED_MEAN
+                                          and mean <= -truncation.MEAN_SHIFT
                                           and len(nonzero) >= truncation.MIN_TOKENS)}
     if sizes is not None:
         recorded = [s for s in sizes if s >= 1]

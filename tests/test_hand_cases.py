@@ -173,7 +173,7 @@ def test_mismatch_metrics_by_hand():
     mean = sum(ells) / 5
     batch_level.update({"mis_log_ratio_negative_fraction": 0.5,
                         "mis_log_ratio_standardized_mean": mean / math.sqrt(sum(x * x for x in ells) / 5 - mean ** 2),
-                        "mis_unreplayed_truncation": 0.0})
+                        "mis_log_ratio_mean": mean, "mis_unreplayed_truncation": 0.0})
     assert sorted(metrics) == sorted(list(expect) + list(batch_level))
     for name, value in expect.items():
         assert values(metrics[name])[0] == [round(value, 5)] * 3, name

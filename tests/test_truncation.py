@@ -66,6 +66,14 @@ def test_the_detector_by_hand():
         _, _, metrics = compute_mis_weights(MisConfig(), train_log_probs=[torch.tensor(ells) - 1.0],
                                             rollout_log_probs=[torch.full((n,), -1.0)], loss_masks=[torch.ones(n)])
         assert batch_value(metrics, "mis_unreplayed_truncation") == alarm, n
+    # a consistent but tiny shift (an fp32 engine's 1e-5 per token): too small to call, whatever its sign test says
+    ells = [-2e-5] * 95 + [1e-5] * 5
+    _, _, metrics = compute_mis_weights(MisConfig(), train_log_probs=[torch.tensor(ells, dtype=torch.float64) - 0.5],
+                                        rollout_log_probs=[torch.full((100,), -0.5, dtype=torch.float64)],
+                                        loss_masks=[torch.ones(100)])
+    assert batch_value(metrics, "mis_log_ratio_negative_fraction") == pytest.approx(0.95)
+    assert batch_value(metrics, "mis_log_ratio_standardized_mean") < -1.0
+    assert batch_value(metrics, "mis_unreplayed_truncation") == 0.0
     # exact ties (l = 0, an fp32 engine) are left out of the fraction
     _, _, metrics = compute_mis_weights(MisConfig(), train_log_probs=[torch.full((200,), -1.0)],
                                         rollout_log_probs=[torch.full((200,), -1.0)], loss_masks=[torch.ones(200)])
@@ -150,4 +158,5 @@ def test_detector_and_sampling_masks_under_cp_equal_cp1(size):
 
 
 def test_thresholds_are_what_the_docs_state():
-    assert (truncation.NEGATIVE_FRACTION, truncation.STANDARDIZED_MEAN, truncation.MIN_TOKENS) == (0.8, 0.3, 64)
+    assert (truncation.NEGATIVE_FRACTION, truncation.STANDARDIZED_MEAN, truncation.MEAN_SHIFT,
+            truncation.MIN_TOKENS) == (0.8, 0.3, 1e-3, 64)

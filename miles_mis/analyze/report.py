@@ -180,7 +180,8 @@ def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
     if not values:
         return []
     return (["## Truncated sampling", ""] + _truncation.advice(values["negative_fraction"],
-                                                               values["standardized_mean"], bool(values["fired"]))
+                                                               values["standardized_mean"], values["mean"],
+                                                               bool(values["fired"]))
             + [""])
 
 

@@ -22,16 +22,17 @@ def summary(sums: Tensor) -> dict[str, float]:
     metrics = truncation.metrics(sums, with_sizes=False)
     return {"negative_fraction": float(metrics["log_ratio_negative_fraction"]),
             "standardized_mean": float(metrics["log_ratio_standardized_mean"]),
-            "fired": float(metrics["unreplayed_truncation"])}
+            "mean": float(metrics["log_ratio_mean"]), "fired": float(metrics["unreplayed_truncation"])}
 
 
-def advice(negative_fraction: float, standardized_mean: float, fired: bool) -> list[str]:
+def advice(negative_fraction: float, standardized_mean: float, mean: float, fired: bool) -> list[str]:
     """What the detector saw, what it means, what to change (one or two lines)."""
-    seen = (f"truncation detector: {negative_fraction:.1%} of the nonzero log ratios are negative, mean/std "
-            f"{standardized_mean:+.2f}")
+    seen = (f"truncation detector: {negative_fraction:.1%} of the nonzero log ratios are negative, mean {mean:+.2e}, "
+            f"mean/std {standardized_mean:+.2f}")
     if not fired:
         return [f"{seen}: no sign of unreplayed truncated sampling (the alarm needs >= "
-                f"{truncation.NEGATIVE_FRACTION:.0%} and <= -{truncation.STANDARDIZED_MEAN:g})."]
+                f"{truncation.NEGATIVE_FRACTION:.0%} negative, mean/std <= -{truncation.STANDARDIZED_MEAN:g} and a "
+                f"mean <= -{truncation.MEAN_SHIFT:g})."]
     return [f"{seen}: the engine's log-probs look renormalised over a truncated set (top-p/top-k/min-p) while the "
             "trainer's are over the whole vocabulary, so every ratio carries the log of the kept mass.",
             "  Fix: replay the sampling mask in the trainer (slime: rollout_top_p_token_ids/offsets; miles: "

@@ -37,7 +37,8 @@ from .kept_set import KeptSets
 from .train import group_advantages, make_policy, old_log_probs_over_sets, parse_args, raw_mismatch
 
 LOCATION_KEYS = ("mis_k3_first_token", "mis_k3_low_rollout_prob", "mis_low_rollout_prob_token_fraction")
-DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean", "mis_unreplayed_truncation")
+DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean", "mis_log_ratio_mean",
+                 "mis_unreplayed_truncation")
 
 
 # train flags that steer only training: measure accepts them (a train command line works) but lists only what acts
@@ -195,8 +196,8 @@ def truncation_lines(row: dict) -> list[str]:
                      f"90th percentile {row['kept_set_size_p90']:.0f}, singletons {row['kept_set_singleton_fraction']:.1%}"
                      f" ({row['kept_set_bytes_per_token']:.0f} B per token as int32 CSR)")
     lines += [f"  {line}" for line in advice(row["mis_log_ratio_negative_fraction"],
-                                                        row["mis_log_ratio_standardized_mean"],
-                                                        bool(row["mis_unreplayed_truncation"]))]
+                                             row["mis_log_ratio_standardized_mean"], row["mis_log_ratio_mean"],
+                                             bool(row["mis_unreplayed_truncation"]))]
     return lines
 
 
