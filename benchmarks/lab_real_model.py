@@ -92,11 +92,12 @@ _PROCESSED = ["--rollout-logprob-source", "processed"]
 TRUNCATION_SETTINGS = {  # SmolLM2 on vLLM: the detector's false alarms (untruncated) and true alarms (processed)
     "fp32": ["--rollout-dtype", "fp32"], "fp16": ["--rollout-dtype", "fp16"], "bf16": ["--rollout-dtype", "bf16"],
     "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-    "bf16, top-p 0.9, full log-probs": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9"],
     **{f"bf16, {name}, processed, mask {mode}": ["--rollout-dtype", "bf16", *flags, *_PROCESSED, "--sampling-mask", mode]
-       for name, flags in (("top-p 0.9", ["--rollout-top-p", "0.9"]), ("top-k 50", ["--rollout-top-k", "50"]),
-                           ("top-p 0.7", ["--rollout-top-p", "0.7"]))
+       for name, flags in (("top-p 0.9", ["--rollout-top-p", "0.9"]), ("top-k 50", ["--rollout-top-k", "50"]))
        for mode in ("off", "recompute")},
+    "bf16, top-p 0.9, full log-probs": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9"],
+    **{f"bf16, top-p 0.7, processed, mask {mode}": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.7", *_PROCESSED,
+                                                    "--sampling-mask", mode] for mode in ("off", "recompute")},
 }
 
 
