@@ -299,10 +299,17 @@ def test_torchrun_cp2_equals_cp1(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     sharded = read(tmp_path / "cp2" / "metrics.jsonl")
     assert len(sharded) == 3
+    # the detector's sign statistics of l are compared only where l is more than rounding: on a step right after a
+    # sync the fp32 engine equals the trainer up to ulps, whose signs differ between the two processes' trainers
+    signs = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean")
+    compared = 0
     for a, b in zip(single, sharded):
         for key in a:
-            if key != "seconds":
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            if key == "seconds" or (key in signs and a["raw_k3"] < 1e-10):
+                continue
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            compared += key in signs
+    assert compared >= 2  # the stale steps, where l is the staleness itself, are compared
 
 
 def _offline_logs(out_dir) -> list:
