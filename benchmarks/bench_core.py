@@ -68,6 +68,13 @@ CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token
 CLAMP = 20.0
 
 
+
+def detector_metrics(ell: torch.Tensor, usable: torch.Tensor) -> dict:
+    """The truncation detector's batch values (miles_mis.truncation) of ℓ (0 where not usable), any layout."""
+    from miles_mis import truncation
+
+    return truncation.metrics(truncation.local_values(ell.reshape(-1), usable.reshape(-1).double(), None), False)
+
 def make_inputs(num_seqs: int, max_len: int, seed: int = 0, prompt_len: int = 128):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max_len // 4, max_len + 1, (num_seqs,), generator=gen).tolist()
@@ -164,7 +171,8 @@ def padded(p):
                 "low_rollout_prob_token_fraction": ratio(low.sum(), usable_n),
                 **{f"k3_position_{name}": ratio(bucket_k3[i], bucket_n[i]) for i, name in enumerate(BUCKET_NAMES)},
                 "batch_k3": ratio(k3_total, usable_n), "batch_kl": ratio(-sum_ell.sum(), usable_n),
-                "batch_max_abs_log_ratio": ell.abs().amax() if ell.numel() else torch.tensor(0.0)}
+                "batch_max_abs_log_ratio": ell.abs().amax() if ell.numel() else torch.tensor(0.0),
+                **detector_metrics(ell, usable)}
     seq = {
         "training_log_ppl": -mean_train, "training_ppl": (-mean_train).clamp(-CLAMP, CLAMP).exp(),
         "rollout_log_ppl": -mean_rollout, "rollout_ppl": (-mean_rollout).clamp(-CLAMP, CLAMP).exp(),
@@ -225,6 +233,7 @@ def per_sequence(inputs, pg_loss):
     # counts, then Σ k3 and Σ ℓ (the gate statistics); and max |ℓ|
     sums = torch.zeros(5 + 2 * n_buckets + 2, dtype=torch.float64)
     max_abs = torch.zeros((), dtype=torch.float64)
+    ells, usables = [], []  # for the truncation detector's batch sums
     for train, rollout, mask in zip(inputs["train_log_probs"], inputs["rollout_log_probs"], inputs["loss_masks"]):
         valid = mask != 0
         usable = valid & torch.isfinite(train) & torch.isfinite(rollout)
@@ -257,6 +266,8 @@ def per_sequence(inputs, pg_loss):
                            torch.bincount(bucket, weights=usable.float(), minlength=n_buckets),
                            torch.stack([k3.sum(), ell.sum()])]).double()
         max_abs = torch.maximum(max_abs, ell.abs().max().double() if len(ell) else max_abs)
+        ells.append(ell)
+        usables.append(usable)
         put("nonfinite_token_fraction", (valid & ~usable).float())
         w = rho.clamp(max=cfg.tis_upper_bound)
         put("tis_weight_before_bound", rho)
@@ -287,7 +298,9 @@ def per_sequence(inputs, pg_loss):
     batch.update({f"k3_position_{name}": ratio(sums[5 + i], sums[5 + n_buckets + i])
                   for i, name in enumerate(BUCKET_NAMES)})
     batch.update({"batch_k3": ratio(sums[-2], sums[4]), "batch_kl": ratio(-sums[-1], sums[4]),
-                  "batch_max_abs_log_ratio": max_abs.float()})
+                  "batch_max_abs_log_ratio": max_abs.float(),
+                  **detector_metrics(torch.cat(ells) if ells else torch.zeros(0),
+                                     torch.cat(usables) if usables else torch.zeros(0, dtype=torch.bool))})
     for w, k in zip(weights, masks):
         ones = torch.ones_like(w)
         put("batch_norm_factor", factor * ones)
