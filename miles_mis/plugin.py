@@ -2,8 +2,9 @@
 
 Each entry point takes what the host passes (a Namespace or ``MisConfig``, per-sequence lists or flat packed
 tensors), has ``miles_mis.inputs`` validate it and pack this rank's tokens into one ``PackedBatch``, runs the
-pure core, and, under context parallelism, exchanges the per-sequence table over the CP group (one
-collective, ``miles_mis.distributed``); below these two modules nothing sees Namespaces or lists. Hosts that
+pure core, and, under context parallelism, exchanges the per-sequence table over the CP group
+(``miles_mis.peers`` orchestrates the call with its CP and DP peers, ``miles_mis.distributed`` holds the
+collectives); below these modules nothing sees Namespaces or lists. Hosts that
 already hold packed tokens (THD, padding removed) call ``compute_mis_weights_packed``, which takes the flat
 tensors and ``cu_seqlens`` without lists. The host contract is in docs/contract.md; the CP layout in docs/cp.md.
 """
@@ -11,16 +12,14 @@ tensors and ``cu_seqlens`` without lists. The host contract is in docs/contract.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from . import advantages, core, distributed, gate, rejections, sampling_mask, staleness, versions
+from . import advantages, core, distributed, peers, sampling_mask, staleness, versions
 from .config import MisConfig
-from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
+from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
 from .inputs import InputError, _tensor_problem  # noqa: F401
 
@@ -186,7 +185,7 @@ def _batch_with_optional_inputs(batch: core.PackedBatch, config: MisConfig, kwar
 def _refuse_dp_scopes(config: MisConfig, entry: str) -> None:
     """The single-process entry points have no data-parallel group: a dp scope would silently act per
     micro-batch, so it is an error naming the key."""
-    scopes = _dp_scopes(config)
+    scopes = peers.dp_scopes(config)
     keys = [key for key, used in (("tis_batch_normalize_scope", scopes.normalize),
                                   ("rs_batch_gate_scope", scopes.gate),
                                   ("tis_auto_scope", scopes.token_bound or scopes.seq_bound)) if used]
@@ -203,25 +202,11 @@ def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core
     terms, bound = core.bound_token_terms(terms, batch_values, config)
     correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config,
                                batch_values=batch_values, bound=bound)
-    _log(correction)
+    peers.log_warning(correction)
     return correction
 
 
 # --------------------------------------------------------------------------- the call with CP and DP peers
-@dataclass
-class _PreparedCall:
-    """What a rank computes before talking to its peers."""
-
-    config: MisConfig
-    packed: PackedInputs
-    terms: core.TokenTerms  # with an adaptive token-level bound: not yet bounded (the bound needs every rank)
-    text: str
-    batch_values: Tensor  # this rank's batch sums (and bound histogram), combined over CP in the agreement header
-    rejected: Tensor | None  # [N] (or [2, N]) 0/1 tokens removed at token level (core.token_rejections), under CP
-    # with a config that can (else None)
-    num_rejected: int = 0
-
-
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
          qkv_format: str | None = None, extra: dict | None = None):
     """Prepare locally, agree with the CP peers, [pick the adaptive bound], exchange the per-sequence table,
@@ -234,13 +219,13 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
     dp = distributed.SINGLE
     try:
         local = _prepare(args, cp, pg_loss, inputs, qkv_format, extra or {})
-        dp = _dp_group(local.config, parallel_state)
+        dp = peers.dp_group(local.config, parallel_state)
     except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
         error = failure
         if local is None:
-            dp = _dp_group_of_raw_args(args, parallel_state)
-    headers, batch_values = _agree_with_cp_peers(cp, dp, local, error)
-    correction, rejected = _correct_with_peers(local, cp, dp, headers, batch_values)
+            dp = peers.dp_group_of_raw_args(args, parallel_state)
+    headers, batch_values = peers.agree_with_cp_peers(cp, dp, local, error)
+    correction, rejected = peers.correct_with_peers(local, cp, dp, headers, batch_values)
     if correction.weights is not None:
         pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
     masks = list(_full_masks(local.packed, correction, rejected).split_with_sizes(
@@ -249,7 +234,7 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
-             qkv_format: str | None, extra: dict) -> _PreparedCall:
+             qkv_format: str | None, extra: dict) -> peers.PreparedCall:
     """The config, this rank's validated tokens and their token terms: everything before the first exchange."""
     config = MisConfig.from_args(args)
     qkv_format = qkv_format or qkv_format_of(args)
@@ -262,144 +247,10 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
     check_pg_loss(pg_loss, packed.batch)
     terms = core.token_terms(packed.batch, config)
     rejected = core.token_rejections(terms, config) if cp.size > 1 and core.rejects_tokens(config) else None
-    return _PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None,
+    return peers.PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None,
                                                            packed.batch.mask_sizes is not None),
                          core.local_batch_values(packed.batch, terms, config), rejected,
                          0 if rejected is None else int(rejected.sum()))
-
-
-def _agree_with_cp_peers(cp: distributed.Group, dp: distributed.Group, local: _PreparedCall | None,
-                         error: Exception | None) -> tuple[list | None, Tensor]:
-    """The agreement headers of the CP group (None at CP size 1) and the batch values combined over it.
-
-    A local ``error`` travels in this rank's header (or is raised here at CP size 1); whatever is raised here
-    is first announced to the DP peers waiting in their first DP exchange."""
-    text = "" if local is None else local.text
-    headers = None
-    try:
-        if cp.size > 1:
-            headers = distributed.agree(cp, "cp", error=error,
-                                        batch_size=-1 if local is None else local.packed.batch.num_seqs,
-                                        width=-1 if local is None else core.num_columns(
-                                            local.config, local.packed.batch.lags is not None),
-                                        tokens=-1 if local is None else local.packed.batch.seq_index.numel(),
-                                        rejected=0 if local is None else local.num_rejected,
-                                        config_text=text,
-                                        payload=() if local is None else local.batch_values.tolist())
-            size = local.batch_values.numel()
-            batch_values = core.combine_batch_values(
-                torch.tensor([h.payload[:size] for h in headers], dtype=torch.float64))
-        elif error is not None:
-            raise error
-        else:
-            batch_values = local.batch_values
-    except Exception as failure:  # noqa: BLE001
-        if dp.size > 1:  # tell the data-parallel peers waiting in their first DP exchange, then raise
-            distributed.agree(dp, "dp", error=failure, config_text=text)
-        raise
-    return headers, batch_values
-
-
-def _correct_with_peers(local: _PreparedCall, cp: distributed.Group, dp: distributed.Group, headers: list | None,
-                        batch_values: Tensor) -> tuple[core.Correction, "_Rejected | None"]:
-    """Bound, per-sequence table (exchanged over CP), finalize with the DP reductions the config asks for.
-    Returns the correction and the tokens any CP rank rejected (None at CP size 1)."""
-    config, packed, text = local.config, local.packed, local.text
-    scopes = _dp_scopes(config)
-    dp_sum = (lambda values: distributed.dp_sum(values, dp, text)) if dp.size > 1 else None  # noqa: E731
-    terms, bound = core.bound_token_terms(local.terms, batch_values.to(local.terms.token_ratio.device), config,
-                                          reduce_histogram=dp_sum if scopes.token_bound else None)
-    stats = core.local_seq_stats(packed.batch, terms, config)
-    rejected = None
-    if cp.size > 1:
-        stats, rejected = _exchange_seq_table(local, stats, cp, dp, headers, scopes)
-    reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
-                   if dp.size > 1 and scopes.gate else None)
-    correction = core.finalize(packed.batch, terms, stats, config,
-                               reduce_normalizer=dp_sum if scopes.normalize else None,
-                               batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate, bound=bound,
-                               reduce_histogram=dp_sum if scopes.seq_bound else None)
-    _log(correction, cp)
-    return correction, rejected
-
-
-@dataclass(frozen=True)
-class _Rejected:
-    """The tokens any CP rank rejected at token level, as positions in the full masks; with a directional sequence
-    option also those its gate removes when it fires on their sequence (decided after the exchange)."""
-
-    positions: Tensor  # [M] int64
-    gated_positions: Tensor | None = None  # [G] int64, the moving-out tokens
-    gated_sequences: Tensor | None = None  # [G] int64, their sequences
-
-
-def _exchange_seq_table(local: _PreparedCall, stats: Tensor, cp: distributed.Group, dp: distributed.Group,
-                        headers: list, scopes: _DpScopes) -> tuple[Tensor, _Rejected]:
-    """The per-sequence table combined over the CP group, and the tokens rejected on any CP rank (exchanged with
-    the table, encoded as the headers' token counts make cheapest)."""
-    packed = local.packed
-    planes = 1 if local.rejected is None else local.rejected.dim()
-    encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
-    try:
-        stats, gathered = distributed.exchange_seq_stats(
-            stats, packed.length_table, cp,
-            rejections.encode(local.rejected, encoding) if local.rejected is not None else None)
-    except Exception as failure:  # noqa: BLE001
-        if dp.size > 1 and scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
-            distributed.agree(dp, "dp", error=failure, config_text=local.text)
-        raise
-    stats = core.combine_seq_stats(stats, local.config)
-    rank, index, plane = rejections.decode(gathered, encoding)
-    positions, sequences = rejections.positions(rank, index, packed.length_table, cp.size)
-    if planes == 1:
-        return stats, _Rejected(positions)
-    gated = plane == 1
-    return stats, _Rejected(positions[~gated], positions[gated], sequences[gated])
-
-
-# --------------------------------------------------------------------------- data-parallel scopes
-@dataclass(frozen=True)
-class _DpScopes:
-    """Which batch quantities are taken over the data-parallel group (each is one DP exchange per call)."""
-
-    normalize: bool  # tis_batch_normalize_scope: dp
-    gate: bool  # rs_batch_gate_scope: dp
-    token_bound: bool  # tis_auto_scope: dp at token level (exchanged before the per-sequence table)
-    seq_bound: bool  # tis_auto_scope: dp at sequence level (exchanged in finalize)
-
-    @property
-    def in_finalize(self) -> bool:
-        """Some DP exchange happens after the per-sequence table's CP exchange."""
-        return self.normalize or self.gate or self.seq_bound
-
-
-def _dp_scopes(config: MisConfig) -> _DpScopes:
-    auto_dp = config.use_tis and config.adaptive_bound and config.tis_auto_scope == "dp"
-    return _DpScopes(config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp",
-                     config.use_tis and bool(config.rs_batch_gate) and config.rs_batch_gate_scope == "dp",
-                     auto_dp and config.tis_level == "token", auto_dp and config.tis_level != "token")
-
-
-def _dp_group(config: MisConfig, parallel_state: Any) -> distributed.Group:
-    scopes = _dp_scopes(config)
-    if scopes.token_bound or scopes.in_finalize:
-        return distributed.resolve_dp_group(parallel_state)
-    return distributed.SINGLE
-
-
-def _dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
-    """The DP group a rank whose config failed to build would have used, read from the raw attributes: such
-    a rank must still join its DP peers' exchange (normalisation, batch gate or adaptive bound, with its error)
-    so that they do not wait."""
-    raw = lambda name: host_setting(args, name)  # noqa: E731
-    use_tis = raw("use_tis") is True
-    wants = use_tis and ((raw("tis_batch_normalize_scope") == "dp" and raw("tis_batch_normalize") is True)
-                         or (raw("rs_batch_gate_scope") == "dp" and bool(raw("rs_batch_gate")))
-                         or (raw("tis_auto_scope") == "dp" and raw("tis_upper_bound") == "auto"))
-    try:
-        return distributed.resolve_dp_group(parallel_state) if wants else distributed.SINGLE
-    except Exception:  # noqa: BLE001 (no group to join: the error is raised locally below)
-        return distributed.SINGLE
 
 
 def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False) -> str:
@@ -427,7 +278,7 @@ def weigh_loss(pg_loss: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep.to(weighted.device) > 0, weighted, torch.zeros_like(weighted))
 
 
-def _full_masks(packed: PackedInputs, correction: core.Correction, rejected: _Rejected | None = None) -> Tensor:
+def _full_masks(packed: PackedInputs, correction: core.Correction, rejected: peers.Rejected | None = None) -> Tensor:
     """Flat full-length modified masks: the input mask values (dtype too) with rejected tokens set to 0, so a
     kept token keeps its value (0.5 stays 0.5). Metrics-only: the input values unchanged (a new tensor).
     Under CP, identical on every rank and equal to cp = 1: the sequence-level decisions (identical on every
@@ -454,7 +305,3 @@ def _zero_rejected(masks: Tensor, keep: Tensor) -> Tensor:
     return masks * keep.to(masks.dtype)
 
 
-def _log(correction: core.Correction, cp: distributed.Group = distributed.SINGLE) -> None:
-    """A warning the core raised (the batch gate fired), once per CP group, through the ``miles_mis`` logger."""
-    if correction.message and cp.rank == 0:
-        logging.getLogger("miles_mis").warning(correction.message)
