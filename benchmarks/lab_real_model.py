@@ -132,7 +132,8 @@ def variance_row(dtype: str) -> dict:
 
     from miles_mis.analyze.estimators import k3_terms
     from miles_mis.lab.measure import mismatch_summary
-    from miles_mis.lab.train import make_policy, parse_args
+    from miles_mis.lab.policy import make_policy
+    from miles_mis.lab.train import parse_args
 
     args = parse_args(["--model", "smollm2-135m", "--rollout-dtype", dtype, "--prompts-per-step", "32",
                        "--group-size", "4"])

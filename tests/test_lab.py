@@ -15,7 +15,8 @@ from miles_mis.lab.demo import (ALGORITHMS, DEFAULT_SETTING, DEFAULT_STEPS, DEMO
                                 figure_panels, markdown_table, per_period_mean, run_algorithm, summarize, sync_period)
 from miles_mis.lab.engine import RolloutEngine, quantize_int8
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
-from miles_mis.lab.train import Progress, group_advantages, parse_args, train
+from miles_mis.lab.policy import group_advantages
+from miles_mis.lab.train import Progress, parse_args, train
 from miles_mis.lab.train import main as train_main
 
 
@@ -167,7 +168,8 @@ def test_measure_on_the_tiny_model_equals_the_mismatch_of_its_batches(tmp_path, 
     same engine, prompts and seeds, regenerated here), and its location metrics are the plugin's."""
     from miles_mis import MisConfig, compute_mis_weights
     from miles_mis.cli import main
-    from miles_mis.lab.train import make_policy, raw_mismatch
+    from miles_mis.lab.policy import make_policy
+    from miles_mis.lab.train import raw_mismatch
 
     flags = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8", "--prompts-per-step", "4", "--sft-steps",
              "5"]

@@ -34,7 +34,8 @@ from ..config import MisConfig, preset_files
 from .dump import PolicyLossDumper, policy_loss_record
 from .train import build_parser as train_parser
 from .kept_set import KeptSets
-from .train import group_advantages, make_policy, old_log_probs_over_sets, parse_args, raw_mismatch
+from .policy import group_advantages, make_policy
+from .train import old_log_probs_over_sets, parse_args, raw_mismatch
 
 LOCATION_KEYS = ("mis_k3_first_token", "mis_k3_low_rollout_prob", "mis_low_rollout_prob_token_fraction")
 DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean", "mis_log_ratio_mean",

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 MODELS = ("tiny", "smollm2-135m")
@@ -37,3 +38,20 @@ class Prompts:
     @property
     def lengths(self) -> list[int]:
         return [int(p.numel()) for p in self.tokens]
+
+
+def make_policy(args: Any):
+    """The ``--model`` policy: ``TinyPolicy`` (tiny_policy.py) or ``SmolLMPolicy`` (smollm_policy.py)."""
+    if args.model == "tiny":
+        from .tiny_policy import TinyPolicy  # imported here: both modules import this one's Prompts
+
+        return TinyPolicy(args)
+    from .smollm_policy import SmolLMPolicy
+
+    return SmolLMPolicy(args)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO, the same for every policy's rewards: (r − mean of the group) / (std of the group + 1e-6)."""
+    grouped = rewards.view(-1, group_size)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)

@@ -32,8 +32,8 @@ from .dump import PolicyLossDumper, policy_loss_record
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .model import routing_disagreement
 from . import smollm_policy, tiny_policy
-from .policy import MODELS
-from .tiny_policy import TinyPolicy, warm_start  # noqa: F401 (warm_start: re-exported)
+from .policy import MODELS, group_advantages, make_policy
+from .tiny_policy import TinyPolicy, warm_start  # noqa: F401 (re-exported)
 from .tiny_policy import make_tiny_engine as make_engine  # noqa: F401 (the tiny model's engine, re-exported)
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
@@ -167,11 +167,6 @@ def check_sampling_mask(args: argparse.Namespace) -> None:
                          "Runner V2 requires Triton); use --sampling-mask recompute")
 
 
-def make_policy(args: argparse.Namespace):
-    """The ``--model`` policy (tiny_policy.py, smollm_policy.py; the interface in policy.py)."""
-    return TinyPolicy(args) if args.model == "tiny" else smollm_policy.SmolLMPolicy(args)
-
-
 # --------------------------------------------------------------------------- pieces
 def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torch.Tensor]) -> dict[str, float]:
     """The batch's raw mismatch, over every response token, ℓ = log π_old − log π_rollout, ρ = e^clamp(ℓ, ±20):
@@ -188,12 +183,6 @@ def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torc
     ess = ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())
     return {"raw_kl": float(-raw.mean()), "raw_ess": float(ess), "raw_k3": float(k3_terms(raw).mean()),
             "raw_ratio_mean": float(ratio.mean())}
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO: (r − mean of the group) / (std of the group + 1e-6)."""
-    grouped = rewards.view(-1, group_size)
-    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
 
 
 class CPContext:
