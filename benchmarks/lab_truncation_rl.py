@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 
+from miles_mis.lab.evidence import last_mean, paired_difference  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_truncation_rl.jsonl"
 TOP_P = (0.7, 0.9)
 MODES = {"processed, no replay": ["--rollout-logprob-source", "processed"],
@@ -77,21 +79,12 @@ def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, result
         append_result(results, row)
 
 
-def _t95(n: int) -> float:
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, n - 1))
-
-
 def paired(rows: list[dict], top_p: float, algorithm: str, mode: str, tail: int = 10) -> tuple[int, float, float]:
     """(seeds, mean, 95 % half-width) of the last-``tail``-step reward of ``mode`` minus replay, paired by seed."""
-    def last(r):
-        return statistics.mean(r["reward"][-tail:])
-    by = {(r["mode"], r["seed"]): r for r in rows if r["top_p"] == top_p and r["algorithm"] == algorithm}
-    diffs = [last(by[(mode, s)]) - last(by[("replay", s)]) for (m, s) in by if m == mode and ("replay", s) in by]
-    if len(diffs) < 2:
-        return len(diffs), diffs[0] if diffs else math.nan, math.nan
-    return len(diffs), statistics.mean(diffs), _t95(len(diffs)) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    scores = {m: {r["seed"]: last_mean(r["reward"], tail) for r in rows
+                  if r["top_p"] == top_p and r["algorithm"] == algorithm and r["mode"] == m} for m in (mode, "replay")}
+    diff = paired_difference(scores[mode], scores["replay"])
+    return diff.n, diff.mean, diff.half_width
 
 
 def table(rows: list[dict]) -> str:
@@ -108,7 +101,8 @@ def table(rows: list[dict]) -> str:
                     if any(v is not None for v in r[key][-tail:]))
                 reward = [statistics.mean(r["reward"][-10:]) for r in cell]
                 n, diff, half = paired(rows, top_p, algorithm, mode) if mode != "replay" else (0, math.nan, math.nan)
-                delta = "—" if mode == "replay" else (f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
+                delta = ("—" if mode == "replay" or n == 0 else
+                         f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
                 kept = "—" if all(v is None for r in cell for v in r["kept_set_size_mean"]) else f"{mean('kept_set_size_mean'):.1f}"
                 seconds = statistics.median(s for r in cell for s in r["seconds"][1:])
                 rss = [r["peak_rss_mib"] for r in cell if r["peak_rss_mib"]]

@@ -1,0 +1,152 @@
+"""Verdicts from RL runs: paired differences over seeds with a t interval, time to a reward level, outcomes.
+
+Runs are paired by seed: the same seed gives every algorithm the same prompts and the same first rollout, so the
+difference of two algorithms' scores on one seed removes the seed's own luck. Over n seeds with differences d_s,
+
+    d̄ = mean(d_s),   half-width = t_{0.975, n−1} · sd(d_s) / √n,   interval = [d̄ − half, d̄ + half]
+
+and a verdict is stated only when the interval excludes 0 (``verdict``). Pure Python (no SciPy): the t quantile is
+the root of the t CDF, written with the regularised incomplete beta function (``t_quantile``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+TAIL = 10  # the score of a run: its last-TAIL-step mean reward
+COLLAPSE_GAIN = 0.0  # a run collapsed when its last-10 reward ends below its first-10 reward
+STALL_GAIN = 0.1  # a run stalled when it gained less than this (reward is a fraction in [0, 1])
+LEVEL_WINDOW = 5  # the time to a reward level: the first step whose trailing 5-step mean reaches it
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a+1)/(a+b+2)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for numerator in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def regularized_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b) = B(x; a, b) / B(a, b), for a, b > 0 and 0 ≤ x ≤ 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T ≤ t) for Student's t with ``df`` degrees of freedom: 1 − ½ I_{df/(df+t²)}(df/2, ½) for t ≥ 0."""
+    tail = 0.5 * regularized_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t (0.5 < p < 1), by bisection on ``t_cdf`` to 1e-12."""
+    if not 0.5 < p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2.0
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+        if high - low < 1e-12:
+            break
+    return 0.5 * (low + high)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The paired difference a − b over the seeds both have."""
+
+    seeds: tuple[int, ...]
+    mean: float
+    half_width: float  # of the 95 % t interval; nan with fewer than 2 seeds
+    favour_a: int  # seeds where a scored higher than b
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    @property
+    def resolved(self) -> bool:
+        """The 95 % interval excludes 0 (never with fewer than 2 seeds)."""
+        return self.n >= 2 and (self.low > 0.0 or self.high < 0.0)
+
+    def interval(self, digits: int = 3) -> str:
+        if self.n == 0:
+            return "—"
+        if self.n == 1:
+            return f"{self.mean:+.{digits}f} (n=1)"
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}] (n={self.n})"
+
+
+def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> Paired:
+    """a − b paired by seed (the keys), over the seeds in both, with the 95 % t interval of the mean."""
+    seeds = tuple(sorted(set(a) & set(b)))
+    diffs = [a[s] - b[s] for s in seeds]
+    favour = sum(d > 0 for d in diffs)
+    if len(diffs) < 2:
+        return Paired(seeds, diffs[0] if diffs else math.nan, math.nan, favour)
+    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return Paired(seeds, statistics.mean(diffs), half, favour)
+
+
+def verdict(name: str, baseline: str, diff: Paired) -> str:
+    """One sentence: which is better and by how much where the interval excludes 0, else no resolvable difference."""
+    if not diff.resolved:
+        return f"{name} vs {baseline}: no resolvable difference at {diff.n} seeds ({diff.interval()})"
+    word = "above" if diff.mean > 0 else "below"
+    return f"{name} ends {word} {baseline}: {diff.interval()}, {diff.favour_a} of {diff.n} seeds higher"
+
+
+def last_mean(series: Sequence[float], tail: int = TAIL) -> float:
+    """Mean of the last ``tail`` values (all of them when there are fewer)."""
+    return statistics.mean(series[-tail:])
+
+
+def first_mean(series: Sequence[float], head: int = TAIL) -> float:
+    return statistics.mean(series[:head])
+
+
+def steps_to_level(series: Sequence[float], level: float, window: int = LEVEL_WINDOW) -> int | None:
+    """The first step (1-based) whose trailing ``window``-step mean reaches ``level``; None when none does."""
+    for end in range(window, len(series) + 1):
+        if statistics.mean(series[end - window:end]) >= level:
+            return end
+    return None
+
+
+def outcome(series: Sequence[float]) -> str:
+    """collapsed (last-10 reward below the first 10), stalled (gain < STALL_GAIN) or learned."""
+    gain = last_mean(series) - first_mean(series)
+    if gain < COLLAPSE_GAIN:
+        return "collapsed"
+    return "stalled" if gain < STALL_GAIN else "learned"
