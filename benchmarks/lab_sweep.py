@@ -93,6 +93,33 @@ def _one_core(cores) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores.get())
 
 
+def machine() -> str:
+    """The CPU model, its cores and this boot's id: timings compare rows of one machine (one boot) only, since VMs of
+    one type differ (the same run took 28 s a step on one and 9 s on another)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{model}, {os.cpu_count()} cores, boot {boot.read_text()[:8] if boot.exists() else 'unknown'}"
+
+
+def train_child(argv: list[str], run_dir: Path) -> tuple[list[dict], float, float | None]:
+    """One ``miles-mis train`` run in a child process (its own memory, measured), resumed from ``run_dir``'s checkpoint
+    when there is one: (the per-step metrics, wall seconds, the child's peak RSS in MiB, None when an earlier child of
+    this process peaked higher: getrusage keeps the largest)."""
+    import resource
+    import subprocess
+
+    if (run_dir / "checkpoint.pt").exists():
+        argv = [*argv, "--resume"]
+    started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", *argv, "--out-dir", str(run_dir), "--quiet"],
+                   check=True)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return history, time.perf_counter() - started, peak / 1024 if peak > before else None
+
+
 def read_results(path: Path) -> list[dict]:
     if not path.exists():
         return []

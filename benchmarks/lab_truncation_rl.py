@@ -19,17 +19,13 @@ At 28 s a step on two cores, one seed of one top-p is 5 runs ≈ 50 min. The ord
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
+from lab_sweep import append_result, machine, read_results, train_child  # noqa: E402 (the results files' format)
 
 from miles_mis.lab.evidence import last_mean, paired_difference  # noqa: E402
 
@@ -43,6 +39,7 @@ ALGORITHMS = {"standard": ["--get-mismatch-metrics"],  # decoupled: token trunca
                                 "--mis-set", "tis_upper_bound=2.0"]}
 SHAPE = ["--model", "smollm2-135m", "--rollout-dtype", "bf16", "--prompts-per-step", "8", "--group-size", "4",
          "--lr", "5e-5", "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+MACHINE = machine()  # the timings compare runs of one machine only
 SERIES = ("reward", "raw_k3", "raw_ratio_mean", "mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean",
           "mis_unreplayed_truncation", "kept_set_size_mean", "seconds")
 
@@ -63,19 +60,12 @@ def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, result
     for count, (top_p, seed, mode, algorithm) in enumerate(todo, 1):
         run_dir = out_dir / f"top_p_{top_p}" / mode.replace(", ", "_").replace(" ", "_") / algorithm / f"seed{seed}"
         argv = [*SHAPE, *ALGORITHMS[algorithm], *MODES[mode], "--rollout-top-p", str(top_p), "--seed", str(seed),
-                "--steps", str(steps), "--out-dir", str(run_dir), "--quiet"]
-        if (run_dir / "checkpoint.pt").exists():
-            argv.append("--resume")
+                "--steps", str(steps)]
         print(f"truncation rl [{count}/{len(todo)}] top-p {top_p} | {mode} | {algorithm} | seed {seed}",
               file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", *argv], check=True)
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; the largest child so far
-        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        row = {"top_p": top_p, "seed": seed, "mode": mode, "algorithm": algorithm, "steps": steps,
-               "seconds": time.perf_counter() - started, "peak_rss_mib": peak / 1024 if peak > before else None,
-               **{key: [r.get(key) for r in history] for key in SERIES}}
+        history, seconds, peak = train_child(argv, run_dir)
+        row = {"top_p": top_p, "seed": seed, "mode": mode, "algorithm": algorithm, "steps": steps, "machine": MACHINE,
+               "seconds": seconds, "peak_rss_mib": peak, **{key: [r.get(key) for r in history] for key in SERIES}}
         append_result(results, row)
 
 

@@ -65,6 +65,8 @@ def test_standard_ppo_gradient_matches_analytic():
     expected_loss = sum(max(-r * a, -min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, ADVS)) / 5
     assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
     assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)  # tokens 1 (r=1.5, A>0) and 2 (r=0.5, A<0)
+    # outside [0.8, 1.2] whatever A's sign: tokens 1, 2 and 3 (r = 1.5, 0.5, 1.5), not 0 or 4 (1.1, 0.9)
+    assert metrics["ppo_ratio_outside_clip"].item() == pytest.approx(3 / 5)
     assert metrics["ppo_kl"].item() == pytest.approx(-sum(GAPS) / 5, rel=1e-5)
 
 

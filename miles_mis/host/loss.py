@@ -44,6 +44,14 @@ def ppo_clip_loss(ppo_kl: Tensor, advantages: Tensor, eps_clip: float, eps_clip_
     return loss, clipfrac
 
 
+def outside_clip_range(ppo_kl: Tensor, eps_clip: float, eps_clip_high: float) -> Tensor:
+    """Per-token 0/1: r = π_θ/π_old outside [1 − ε, 1 + ε_high], whatever the advantage's sign (pg_clipfrac counts
+    only the tokens whose gradient the clip removes). In bypass at the first minibatch r = π_θ/π_rollout = e^ℓ: the
+    share of tokens the engine's mismatch alone puts outside the trust region."""
+    ratio = (-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return indicator(torch.lt, ratio, 1.0 - eps_clip).add_(indicator(torch.gt, ratio, 1.0 + eps_clip_high))
+
+
 def vanilla_tis(args: argparse.Namespace, *, pg_loss: Tensor, train_log_probs: list[Tensor],
                 rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **kwargs: Any):
     """The built-in TIS (no custom path): w = clamp(exp(π_old − π_rollout), tis_clip_low, tis_clip)."""
@@ -123,6 +131,9 @@ def policy_loss(args: argparse.Namespace, batch: Mapping[str, Any], log_probs: S
     loss = reduce_loss(pg_loss)
     metrics.update(loss=loss.detach(), pg_loss=loss.detach(), pg_clipfrac=reduce(pg_clipfrac).detach(),
                    ppo_kl=reduce(prepared.ppo_kl).detach())
+    if args.loss_type == "ppo":
+        outside = outside_clip_range(prepared.ppo_kl, args.eps_clip, _eps_high(args))
+        metrics["ppo_ratio_outside_clip"] = reduce(outside).detach()
     if prepared.rollout is not None and log_probs:
         abs_diff = torch.cat(prepared.trainer_scored) - torch.cat(prepared.rollout)
         abs_diff = torch.nan_to_num(abs_diff.abs(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -152,8 +163,7 @@ def _token_loss(args: argparse.Namespace, prepared: SimpleNamespace) -> tuple[Te
     """(per-token loss, clipped indicator) of ``--loss-type``: clipped PPO, or REINFORCE (× the detached
     π_θ/π_rollout within the built-in TIS bounds in bypass)."""
     if args.loss_type == "ppo":
-        eps_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high
-        return ppo_clip_loss(prepared.ppo_kl, prepared.advantages, args.eps_clip, eps_high, args.eps_clip_c)
+        return ppo_clip_loss(prepared.ppo_kl, prepared.advantages, args.eps_clip, _eps_high(args), args.eps_clip_c)
     current = prepared.current
     pg_loss = -prepared.advantages * torch.nan_to_num(current, nan=0.0, posinf=0.0, neginf=0.0)
     pg_clipfrac = torch.zeros_like(pg_loss)
@@ -161,6 +171,10 @@ def _token_loss(args: argparse.Namespace, prepared: SimpleNamespace) -> tuple[Te
         weight = safe_ratio(current.detach() - torch.cat(prepared.rollout)).clamp(args.tis_clip_low, args.tis_clip)
         pg_loss = pg_loss * weight
     return pg_loss, pg_clipfrac
+
+
+def _eps_high(args: argparse.Namespace) -> float:
+    return args.eps_clip if args.eps_clip_high is None else args.eps_clip_high
 
 
 def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_loss: Tensor, parallel_state: Any,

@@ -438,9 +438,11 @@ def optimize(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout)
     """--num-minibatches optimizer steps of the host's policy loss over the rollout batch; the metrics averaged."""
     minibatches = torch.randperm(len(rollout.sequences)).chunk(args.num_minibatches)
     sums: dict[str, float] = {}
-    for indices in minibatches:
+    for number, indices in enumerate(minibatches):
         idx = indices.tolist()
         metrics, grad_norm = minibatch_step(run, args, step, rollout, idx)
+        if number == 0 and "ppo_ratio_outside_clip" in metrics:  # before any update of this step: θ = θ_old
+            sums["first_minibatch_ppo_ratio_outside_clip"] = metrics["ppo_ratio_outside_clip"] / len(idx)
         for name, value in metrics.items():
             scale = 1.0 if name == "opsm_fraction" else 1.0 / len(idx)
             sums[name] = sums.get(name, 0.0) + value * scale / len(minibatches)

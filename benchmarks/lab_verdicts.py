@@ -1,0 +1,266 @@
+"""Settled verdicts on SmolLM2-135M (vLLM): which correction a given mismatch needs, paired over seeds.
+
+    python benchmarks/lab_verdicts.py run [--regimes ...] [--seeds N] [--steps 40]   # resumable, one run at a time
+    python benchmarks/lab_verdicts.py budget                                        # runs to do, CPU hours
+    python benchmarks/lab_verdicts.py tables                                        # tables, verdicts, figures
+
+Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a step, 2 minibatches, Adam 5e-5, the
+top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
+the machine) is appended to benchmarks/results/lab_verdicts.jsonl, and a run already there is skipped, so the sweep
+continues across sessions (a run interrupted halfway resumes from its checkpoint, every 10 steps, while its folder
+exists). Same seed = same prompts and the same first rollout for every algorithm of a regime: differences are paired.
+
+Regimes, in the order they run (REGIMES): bf16 + fp8 weights (W8A8, the regime with effects), the asynchronous
+buffer with mixed lags 0..2 at bf16, bf16 synchronous as the control (2 seeds), and the lag-heavier buffer 0..4.
+Inside a regime the order is seed by seed, all algorithms of a seed before the next seed, so a cut leaves whole
+paired sets. The rule for cuts: a regime's table shows only the algorithms with at least 2 seeds paired with
+standard PPO, and says how many; nothing is dropped silently.
+
+Statistics (miles_mis.lab.evidence): the score of a run is its last-10-step mean reward; every algorithm against
+standard PPO gets the paired difference with a 95 % t interval over seeds, and a verdict sentence only where the
+interval excludes 0. Also per cell: the steps to a 5-step mean reward of LEVEL, and how many runs collapsed (ended
+below their first 10 steps) or stalled (gained less than 0.1).
+
+Mechanism runs (fp8 only): bypass and standard PPO with the clip widened to ε = 0.5 (ln 1.5 = 0.41, above the mean
+|ℓ| of 0.19 under fp8): if bypass fails because the engine's error puts its tokens outside PPO's clip range before
+any update, widening the clip restores it, and every run records that share at each step's first minibatch
+(``first_minibatch_ppo_ratio_outside_clip``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_sweep import append_result, machine, read_results, train_child  # noqa: E402 (the results files' format)
+
+from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_difference, steps_to_level,  # noqa: E402
+                                    verdict)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
+SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5",
+         "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+LEVEL = 0.5  # the reward level of the time-to-level column (fp8 standard PPO ends near 0.58, bf16 near 0.73)
+BASELINE = "standard"
+
+TOKEN_TIS = {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}
+# the token ratio mask of the trust-region runs (docs/lab.md): |ℓ| bounds that reject 2 % of the fp8 tokens
+RATIO_MASK = {"token_k1": [0.430065, 2.325227]}
+# prime-rl's default loss: REINFORCE weighted by the raw π_θ/μ (no truncation: e^20) and the directional TV mask
+PRIME_RL = {"tis_policy": "current", "tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 485165195.4,
+            "rs_divergence": {"token_dtv": [-0.2, 0.2]}}
+ALGORITHMS = {  # name -> (host flags, mis.yaml)
+    "standard": (["--get-mismatch-metrics"], {}),
+    "bypass": (["--use-rollout-logprobs", "--get-mismatch-metrics"], {}),
+    "decoupled_tis": (["--use-tis"], TOKEN_TIS),
+    "seq_mis": (["--use-tis"], {"tis_level": "sequence", "tis_mode": "mask", "tis_lower_bound": 0.5,
+                                "tis_upper_bound": 2.0}),
+    "ratio_mask": (["--use-tis"], {**TOKEN_TIS, "rs_divergence": RATIO_MASK}),
+    "prime_rl": (["--use-tis", "--pass-current-log-probs", "--loss-type", "reinforce"], PRIME_RL),
+    "auto_bound": (["--use-tis"], {**TOKEN_TIS, "tis_upper_bound": "auto"}),
+    "batch_gate": (["--use-tis"], {**TOKEN_TIS, "rs_batch_gate": {"k3": 0.05}}),
+    # asynchronous regimes only
+    "lag_bound": (["--use-tis"], {**TOKEN_TIS, "tis_upper_bound_by_lag": [2.0, 1.5, 1.25, 1.1]}),
+    "fixed_drop": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1}),
+    "lag_gate": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1, "rs_max_lag_k3": 0.05}),
+    # the bypass mechanism (fp8 only)
+    "bypass_wide_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
+    "standard_wide_clip": (["--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
+}
+COMMON = ("standard", "bypass", "decoupled_tis", "seq_mis", "ratio_mask", "prime_rl", "auto_bound", "batch_gate")
+ASYNC = ("lag_bound", "fixed_drop", "lag_gate")
+REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before any row of it is measured)
+    "bf16 + fp8 weights": (["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
+                           COMMON + ("bypass_wide_clip", "standard_wide_clip"), 4, 15.0),
+    "async lags 0..2": (["--rollout-dtype", "bf16", "--async-max-lag", "2"], COMMON + ASYNC, 4, 5.0),
+    "bf16": (["--rollout-dtype", "bf16"], COMMON, 2, 5.0),
+    "async lags 0..4": (["--rollout-dtype", "bf16", "--async-max-lag", "4"], COMMON + ASYNC, 4, 5.0),
+}
+RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
+SERIES = ("reward", "raw_k3", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3", "pg_clipfrac",
+          "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess", "mis_is_ratio_mean_final",
+          "mis_batch_gated", "mis_tis_truncate_fraction", "ois")
+
+
+def cells(regimes, seeds: int | None = None):
+    """(regime, seed, algorithm) in run order: regime by regime, then seed by seed."""
+    for regime in regimes:
+        _, algorithms, default_seeds, _ = REGIMES[regime]
+        for seed in range(default_seeds if seeds is None else seeds):
+            for algorithm in algorithms:
+                yield regime, seed, algorithm
+
+
+def slug(regime: str) -> str:
+    """The regime's name as a file name: "bf16 + fp8 weights" -> bf16_fp8_weights, "async lags 0..2" -> async_lags_0-2."""
+    return regime.replace(" + ", "_").replace(" ", "_").replace("..", "-")
+
+
+def run_dir(out_dir: Path, regime: str, algorithm: str, seed: int) -> Path:
+    return out_dir / slug(regime) / algorithm / f"seed{seed}"
+
+
+def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Path) -> list[str]:
+    flags, _ = ALGORITHMS[algorithm]
+    return [*SHAPE, *REGIMES[regime][0], *flags, "--custom-config-path", str(config_path), "--seed", str(seed),
+            "--steps", str(steps)]
+
+
+def todo(regimes, seeds: int | None, steps: int, results: Path) -> list[tuple[str, int, str]]:
+    done = {(r["regime"], r["seed"], r["algorithm"]) for r in read_results(results) if r["steps"] == steps}
+    return [cell for cell in cells(regimes, seeds) if cell not in done]
+
+
+def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) -> None:
+    cells_left = todo(regimes, seeds, steps, results)
+    print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, seeds, steps, results)}", file=sys.stderr,
+          flush=True)
+    here = machine()
+    for count, (regime, seed, algorithm) in enumerate(cells_left, 1):
+        folder = run_dir(out_dir, regime, algorithm, seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        config_path = folder / "mis.yaml"
+        config_path.write_text(yaml.safe_dump(ALGORITHMS[algorithm][1]) if ALGORITHMS[algorithm][1] else "{}\n")
+        print(f"verdicts [{count}/{len(cells_left)}] {regime} | {algorithm} | seed {seed}", file=sys.stderr,
+              flush=True)
+        history, seconds, peak = train_child(argv_of(regime, algorithm, seed, steps, config_path), folder)
+        append_result(results, {"regime": regime, "algorithm": algorithm, "seed": seed, "steps": steps,
+                                "machine": here, "seconds": seconds, "peak_rss_mib": peak,
+                                **{key: [r.get(key) for r in history] for key in SERIES}})
+
+
+def seconds_per_step(rows: list[dict], regime: str) -> float:
+    """The median step time measured in ``regime`` (every step but each run's first), else the assumed one."""
+    steps = [s for r in rows if r["regime"] == regime for s in r["seconds"][1:] if s is not None]
+    return statistics.median(steps) if steps else REGIMES[regime][3]
+
+
+def budget_line(regimes, seeds: int | None, steps: int, results: Path) -> str:
+    rows = read_results(results)
+    left = todo(regimes, seeds, steps, results)
+    hours = sum(steps * seconds_per_step(rows, regime) + RUN_OVERHEAD_S for regime, _, _ in left) / 3600
+    by_regime = {regime: sum(1 for r, _, _ in left if r == regime) for regime in regimes}
+    parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items())
+    return f"about {hours:.1f} CPU hours left ({parts})"
+
+
+# --------------------------------------------------------------------------- tables
+def _cell(rows: list[dict], regime: str, algorithm: str) -> dict[int, dict]:
+    return {r["seed"]: r for r in rows if r["regime"] == regime and r["algorithm"] == algorithm}
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.mean(values) if values else math.nan
+
+
+def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
+    """The markdown table of one regime and its verdict sentences (algorithms paired with standard on ≥ 2 seeds)."""
+    baseline = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, BASELINE).items()}
+    lines = [f"| algorithm | seeds | first 10 | last 10 | Δ vs {BASELINE} [95 % CI] | steps to {LEVEL} | "
+             "collapsed / stalled | raw k3 | outside clip, 1st minibatch | s / step |", "|" + "---|" * 10]
+    sentences, shown = [], 0
+    for algorithm in REGIMES[regime][1]:
+        cell = _cell(rows, regime, algorithm)
+        if not cell:
+            continue
+        scores = {s: last_mean(r["reward"]) for s, r in cell.items()}
+        diff = paired_difference(scores, baseline)
+        if algorithm != BASELINE and diff.n < 2:
+            continue
+        shown += 1
+        reached = [steps_to_level(r["reward"], LEVEL) for r in cell.values()]
+        hits = sorted(n for n in reached if n is not None)
+        level = (f"{statistics.median(hits):.0f} ({len(hits)}/{len(reached)})" if hits else f"— (0/{len(reached)})")
+        outcomes = [outcome(r["reward"]) for r in cell.values()]
+        delta = "—" if algorithm == BASELINE else diff.interval()
+        lines.append(
+            f"| {algorithm} | {len(cell)} | {_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
+            f"{statistics.mean(scores.values()):.3f}{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
+            f"{delta} | {level} | {outcomes.count('collapsed')} / {outcomes.count('stalled')} | "
+            f"{_mean(_mean(r['raw_k3']) for r in cell.values()):.2e} | "
+            f"{_mean(_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()):.3f} | "
+            f"{_mean(_mean(r['seconds'][1:]) for r in cell.values()):.1f} |")
+        if algorithm != BASELINE:
+            sentences.append(verdict(algorithm, BASELINE, diff))
+    missing = [a for a in REGIMES[regime][1] if a != BASELINE and
+               paired_difference({s: 0.0 for s in _cell(rows, regime, a)},
+                                 {s: 0.0 for s in _cell(rows, regime, BASELINE)}).n < 2]
+    if missing:
+        sentences.append(f"not yet paired on 2 seeds (not shown): {', '.join(missing)}")
+    return ("\n".join(lines) if shown else "(no runs yet)"), sentences
+
+
+def figure(rows: list[dict], regime: str, path: Path) -> bool:
+    """Reward curves (3-step moving mean; mean over seeds, band ± one standard deviation) of one regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = False
+    for algorithm in REGIMES[regime][1]:
+        cell = list(_cell(rows, regime, algorithm).values())
+        if len(cell) < 2:
+            continue
+        length = min(len(r["reward"]) for r in cell)
+        smooth = [[statistics.mean(r["reward"][max(0, i - 2):i + 1]) for i in range(length)] for r in cell]
+        mean = [statistics.mean(col) for col in zip(*smooth)]
+        spread = [statistics.stdev(col) for col in zip(*smooth)]
+        steps = range(1, length + 1)
+        ax.plot(steps, mean, label=f"{algorithm} ({len(cell)})")
+        ax.fill_between(steps, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)], alpha=0.12)
+        drawn = True
+    if drawn:
+        ax.set(xlabel="step", ylabel="reward (3-step mean)", title=f"SmolLM2-135M, {regime}: mean ± sd over seeds")
+        ax.legend(fontsize=7, ncol=2)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return drawn
+
+
+def tables(rows: list[dict], figures: Path | None) -> str:
+    out = []
+    for regime in REGIMES:
+        table, sentences = regime_table(rows, regime)
+        out += [f"### {regime}", "", table, "", *[f"- {s}" for s in sentences], ""]
+        name = f"lab_verdicts_{slug(regime)}.png"
+        if figures is not None and figure(rows, regime, figures / name):
+            out.append(f"(figure: docs/figures/{name})\n")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("run", "budget", "tables"))
+    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES),
+                        help="regimes to run, in order (default: all, in the order above)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: each regime's own: "
+                        + ", ".join(f"{name} {spec[2]}" for name, spec in REGIMES.items()) + ")")
+    parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_verdicts"), help="the runs' files "
+                        "(default: runs/lab_verdicts)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
+    parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
+    args = parser.parse_args()
+    if args.part == "budget":
+        print(f"{len(todo(args.regimes, args.seeds, args.steps, args.results))} runs to do; "
+              f"{budget_line(args.regimes, args.seeds, args.steps, args.results)}")
+        return
+    if args.part == "run":
+        run(args.regimes, args.seeds, args.steps, args.out_dir, args.results)
+    rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
+    print(tables(rows, None if args.no_figures else FIGURES))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""benchmarks/lab_verdicts.py: every run of the sweep parses as the lab would run it (a bad key would stop the sweep
+hours in), the run order leaves whole paired sets, and the tables compute the paired verdicts by hand."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("lab_verdicts", REPO / "benchmarks" / "lab_verdicts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_run_parses_with_its_config(verdicts, tmp_path):
+    from miles_mis.lab.train import parse_args
+
+    seen = set()
+    for regime, seed, algorithm in verdicts.cells(verdicts.REGIMES):
+        if (regime, algorithm) in seen:
+            continue
+        seen.add((regime, algorithm))
+        config_path = tmp_path / f"{len(seen)}.yaml"
+        config_path.write_text(yaml.safe_dump(verdicts.ALGORITHMS[algorithm][1]) or "{}\n")
+        args = parse_args(verdicts.argv_of(regime, algorithm, seed, 40, config_path)
+                          + ["--out-dir", str(tmp_path / "run")])
+        assert args.model == "smollm2-135m" and args.steps == 40
+        if "fp8" in regime:
+            assert args.rollout_weight_quant == "fp8"
+        if algorithm.endswith("wide_clip"):
+            assert args.eps_clip == 0.5
+    assert len(seen) == sum(len(spec[1]) for spec in verdicts.REGIMES.values())
+
+
+def test_run_order_is_seed_by_seed(verdicts):
+    order = list(verdicts.cells(["bf16 + fp8 weights"], seeds=2))
+    algorithms = verdicts.REGIMES["bf16 + fp8 weights"][1]
+    assert order[:len(algorithms)] == [("bf16 + fp8 weights", 0, a) for a in algorithms]
+    assert order[len(algorithms)] == ("bf16 + fp8 weights", 1, "standard")
+    assert len(list(verdicts.cells(verdicts.REGIMES))) == sum(s[2] * len(s[1]) for s in verdicts.REGIMES.values())
+
+
+def _row(verdicts, algorithm, seed, rewards):
+    series = {key: [0.0] * len(rewards) for key in verdicts.SERIES}
+    return {"regime": "bf16", "algorithm": algorithm, "seed": seed, "steps": len(rewards), **series,
+            "reward": rewards}
+
+
+def test_regime_table_by_hand(verdicts):
+    # standard: 0.3 for 10 steps, then 0.6 (score 0.6); bypass 0.02/0.04/0.06 lower on seeds 0..2; seq_mis one seed only
+    standard = [0.3] * 10 + [0.6] * 10
+    rows = [_row(verdicts, "standard", s, standard) for s in range(3)]
+    rows += [_row(verdicts, "bypass", s, [0.3] * 10 + [0.6 - d] * 10) for s, d in enumerate((0.02, 0.04, 0.06))]
+    rows.append(_row(verdicts, "seq_mis", 0, standard))
+    table, sentences = verdicts.regime_table(rows, "bf16")
+    lines = table.splitlines()
+    assert len(lines) == 4  # header, rule, standard, bypass (seq_mis has 1 seed: not shown)
+    bypass = lines[3].split(" | ")
+    # Δ = −0.04, sd 0.02, half-width 4.3027 · 0.02 / √3 = 0.0497: [−0.090, +0.010] includes 0
+    assert bypass[4] == "-0.040 [-0.090, +0.010] (n=3)"
+    # the 5-step mean (0.3·(5 − k) + x·k)/5 reaches 0.5 after k = 4, 4, 5 steps at x = 0.58, 0.56, 0.54: median step 14
+    assert bypass[5] == "14 (3/3)"
+    assert bypass[6] == "0 / 0"  # gains of 0.24..0.28: learned
+    assert sentences[0] == "bypass vs standard: no resolvable difference at 3 seeds (-0.040 [-0.090, +0.010] (n=3))"
+    assert "not yet paired on 2 seeds (not shown):" in sentences[-1] and "seq_mis" in sentences[-1]
