@@ -119,12 +119,13 @@ def truncation(batches: int) -> None:
 
 # --------------------------------------------------------------------------- batch variance
 def variance(dtypes: list[str]) -> None:
-    done = {r["dtype"] for r in read("variance")}
-    for dtype in dtypes:
-        if dtype in done:
-            continue
-        print(f"variance: {dtype}", file=sys.stderr, flush=True)
-        append("variance", variance_row(dtype))
+    """Scoring (prefill) in several batch compositions, then generation (decode) in several, per dtype."""
+    for part, row_of in (("variance", variance_row), ("generation", generation_row)):
+        done = {r["dtype"] for r in read(part)}
+        for dtype in dtypes:
+            if dtype not in done:
+                print(f"{part}: {dtype}", file=sys.stderr, flush=True)
+                append(part, row_of(dtype))
 
 
 def variance_row(dtype: str) -> dict:
@@ -170,6 +171,63 @@ def variance_row(dtype: str) -> dict:
     return {"dtype": dtype, "tokens": int(reference.numel()), "rows": rows,
             "trainer": {"max_abs": trainer["max_abs_log_ratio"], "mean_abs": trainer["mean_abs_log_ratio"],
                         "k3": trainer["k3"]}}
+
+
+GENERATION_COMPOSITIONS = ("alone (batch of 1)", "in batches of 2", "in batches of 16",
+                           "32 of them arriving 8 decode steps after the other 32",
+                           "with 64 other requests arriving after 4 decode steps")
+
+
+def generation_row(dtype: str) -> dict:
+    """The same 64 prompts with the same per-request seeds generated in one batch of 64 (the reference: the lab's
+    RL path) and in each of GENERATION_COMPOSITIONS; per composition the share of responses whose sampled tokens are
+    identical, and the difference of the log-probs the engine reports on the tokens before a response's first
+    differing token (its common prefix with the reference)."""
+    import torch
+
+    from miles_mis.analyze.estimators import k3_terms
+    from miles_mis.lab.policy import make_policy
+    from miles_mis.lab.train import parse_args
+
+    args = parse_args(["--model", "smollm2-135m", "--rollout-dtype", dtype, "--prompts-per-step", "32",
+                       "--group-size", "4"])
+    policy = make_policy(args)
+    engine = policy.make_engine()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [policy.sample_prompts(generator) for _ in range(2)]  # 64 measured, 64 others
+    measured, others = list(prompts[0].tokens[:64]), list(prompts[1].tokens[:64])
+    seeds = torch.randint(0, 2**31 - 1, (128,), generator=torch.Generator().manual_seed(1)).tolist()
+    budget = policy.max_new_tokens
+
+    def in_chunks(size: int):
+        tokens, log_probs = [], []
+        for i in range(0, 64, size):
+            t, lp = engine.generate_arriving(measured[i:i + size], seeds[i:i + size], budget, [0] * len(measured[i:i + size]))
+            tokens += t
+            log_probs += lp
+        return tokens, log_probs
+
+    reference = in_chunks(64)
+    runs = {"alone (batch of 1)": in_chunks(1), "in batches of 2": in_chunks(2), "in batches of 16": in_chunks(16)}
+    runs["32 of them arriving 8 decode steps after the other 32"] = engine.generate_arriving(
+        measured, seeds[:64], budget, [0] * 32 + [8] * 32)
+    tokens, log_probs = engine.generate_arriving(measured + others, seeds, budget, [0] * 64 + [4] * 64)
+    runs["with 64 other requests arriving after 4 decode steps"] = (tokens[:64], log_probs[:64])
+    rows = {}
+    for name, (tokens, log_probs) in runs.items():
+        identical, compared, differences = 0, 0, []
+        for ref_tokens, ref_lp, got_tokens, got_lp in zip(*reference, tokens, log_probs):
+            same = (ref_tokens[:min(len(ref_tokens), len(got_tokens))] == got_tokens[:len(ref_tokens)]).long()
+            prefix = int(same.cumprod(0).sum())  # tokens before the first difference
+            identical += int(prefix == len(ref_tokens) == len(got_tokens))
+            compared += prefix
+            differences.append(ref_lp[:prefix].double() - got_lp[:prefix].double())
+        difference = torch.cat(differences)
+        rows[name] = {"identical_responses": identical, "prefix_tokens": compared,
+                      "max_abs": float(difference.abs().max()) if compared else 0.0,
+                      "mean_abs": float(difference.abs().mean()) if compared else 0.0,
+                      "k3": float(k3_terms(difference).mean()) if compared else 0.0}
+    return {"dtype": dtype, "responses": 64, "tokens": int(sum(len(t) for t in reference[0])), "rows": rows}
 
 
 # --------------------------------------------------------------------------- RL
@@ -366,6 +424,18 @@ def _pct(value: float | None) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.0%}"
 
 
+def generation_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        lines += [f"| vLLM {r['dtype']}, SmolLM2-135M, 64 responses ({r['tokens']} tokens) generated | identical "
+                  "responses | common-prefix tokens | max \\|Δ log p\\| | mean \\|Δ\\| | k3 of the difference |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {v['identical_responses']}/{r['responses']} | {v['prefix_tokens']} | {v['max_abs']:.2e} | "
+                  f"{v['mean_abs']:.2e} | {v['k3']:.2e} |" for name, v in r["rows"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def tables() -> None:
     print(atlas_table(read("atlas")), end="\n\n")
     print(probability_table(read("atlas")), end="\n\n")
@@ -373,6 +443,8 @@ def tables() -> None:
     print(config_table(read("atlas")), end="\n\n")
     print(config_table(read("atlas"), "tiny"), end="\n\n")
     print(variance_table(read("variance")))
+    if read("generation"):
+        print("\n" + generation_table(read("generation")))
     if read("truncation"):
         print("\n" + truncation_table(read("truncation")))
     rows = read("rl")

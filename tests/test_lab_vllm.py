@@ -228,3 +228,27 @@ def test_embedded_engine_runs_the_vllm_shape():
     model = policy()
     responses, log_probs, probs = rollout(make_engine(args, model), model, prompts())
     assert mean_abs_difference(responses, log_probs, probs) < 1e-5
+
+
+@needs_vllm
+def test_requests_arriving_mid_decode_keep_their_seeds():
+    """generate_arriving with the seeds generate would draw, all arriving at once, is generate bit for bit; arriving
+    in two waves (the second while the first decodes) or alone, each response still has its prompt's budget and
+    finite log-probs, and a refused call names its lengths."""
+    model = policy()
+    eng = engine(model, "--rollout-dtype", "fp32")
+    batch = list(prompts()[:16])
+    state = eng.generator.get_state()
+    tokens, log_probs = eng.generate(batch, DIGITS + 2)
+    seeds = torch.randint(0, 2**31 - 1, (16,), generator=torch.Generator().set_state(state)).tolist()
+    same_tokens, same_log_probs = eng.generate_arriving(batch, seeds, DIGITS + 2, [0] * 16)
+    assert all(torch.equal(a, b) for a, b in zip(tokens, same_tokens))
+    assert all(torch.equal(a, b) for a, b in zip(log_probs, same_log_probs))
+    waves = eng.generate_arriving(batch, seeds, DIGITS + 2, [0] * 8 + [3] * 8)
+    alone = [eng.generate_arriving([p], [s], DIGITS + 2, [0]) for p, s in zip(batch, seeds)]
+    for got_tokens, got_log_probs in (waves, ([t[0][0] for t in alone], [t[1][0] for t in alone])):
+        assert len(got_tokens) == 16
+        assert all(0 < t.numel() <= DIGITS + 2 and t.numel() == lp.numel() for t, lp in zip(got_tokens, got_log_probs))
+        assert all(torch.isfinite(lp).all() for lp in got_log_probs)
+    with pytest.raises(ValueError, match="16 prompts, 15 seeds and 16 arrivals"):
+        eng.generate_arriving(batch, seeds[:15], DIGITS + 2, [0] * 16)

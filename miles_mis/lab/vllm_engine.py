@@ -289,24 +289,43 @@ class VllmEngine:
         (which it includes) with vLLM; returns (responses, the per-token
         log-probs vLLM reports for the sampled tokens). Each request has its own seed drawn from the engine's
         generator, so a run is reproducible from its seed."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                                 top_p=self.top_p, logprobs=0, detokenize=False,
-                                 stop_token_ids=list(self.served.stop_token_ids), seed=seed) for seed in seeds]
+        params = [self._params(max_new_tokens, seed) for seed in seeds]
         with _random_state_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
                                         use_tqdm=False)
-        responses, log_probs = [], []
-        for output in outputs:
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            responses.append(torch.tensor(tokens, dtype=torch.long))
-            log_probs.append(torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)],
-                                          dtype=torch.float32))
-        return responses, log_probs
+        return _responses(outputs)
+
+    def _params(self, max_new_tokens: int, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, logprobs=0, detokenize=False,
+                              stop_token_ids=list(self.served.stop_token_ids), seed=seed)
+
+    @torch.no_grad()
+    def generate_arriving(self, prompts: list[Tensor], seeds: list[int], max_new_tokens: int,
+                          arrivals: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """As ``generate`` with the given per-request ``seeds``, each request added to the running engine at its
+        engine step ``arrivals[i]`` (0 = before the first step): requests that arrive while others decode share
+        their decode batches, as in a serving engine. For measuring batch variance (benchmarks/lab_real_model.py)."""
+        from vllm.inputs import TokensPrompt
+
+        if not len(prompts) == len(seeds) == len(arrivals):
+            raise ValueError(f"{len(prompts)} prompts, {len(seeds)} seeds and {len(arrivals)} arrivals: one each")
+        engine, finished, step = self.llm.llm_engine, {}, 0
+        pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        with _random_state_kept():
+            while pending or engine.has_unfinished_requests():
+                while pending and arrivals[pending[0]] <= step:
+                    i = pending.pop(0)
+                    engine.add_request(f"arriving-{i}", TokensPrompt(prompt_token_ids=prompts[i].tolist()),
+                                       self._params(max_new_tokens, seeds[i]))
+                finished.update({out.request_id: out for out in engine.step() if out.finished})
+                step += 1
+        return _responses([finished[f"arriving-{i}"] for i in range(len(prompts))])
 
     @torch.no_grad()
     def score(self, sequences: list[Tensor], prompt_length: int | list[int]) -> list[Tensor]:
@@ -322,3 +341,15 @@ class VllmEngine:
                                         use_tqdm=False)
         return [torch.tensor([output.prompt_logprobs[j][int(s[j])].logprob for j in range(start, s.numel())])
                 for output, s, start in zip(outputs, sequences, lengths)]
+
+
+def _responses(outputs) -> tuple[list[Tensor], list[Tensor]]:
+    """(sampled tokens, their log-probs as vLLM reports them) of each finished request's completion."""
+    responses, log_probs = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        responses.append(torch.tensor(tokens, dtype=torch.long))
+        log_probs.append(torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)],
+                                      dtype=torch.float32))
+    return responses, log_probs
