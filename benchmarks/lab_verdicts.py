@@ -74,6 +74,10 @@ ALGORITHMS = {  # name -> (host flags, mis.yaml)
     "bypass_wide_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
     "standard_wide_clip": (["--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
 }
+CURVE = ("standard", "bypass", "decoupled_tis")  # the regimes that only place a point on the safe-mismatch curve
+CORRECTIONS = ("decoupled_tis", "seq_mis", "ratio_mask", "prime_rl", "auto_bound", "batch_gate", "lag_bound",
+               "fixed_drop", "lag_gate")
+UNCORRECTED = ("standard", "bypass")
 COMMON = ("standard", "bypass", "decoupled_tis", "seq_mis", "ratio_mask", "prime_rl", "auto_bound", "batch_gate")
 ASYNC = ("lag_bound", "fixed_drop", "lag_gate")
 REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before any row of it is measured)
@@ -81,6 +85,10 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
                            COMMON + ("bypass_wide_clip", "standard_wide_clip"), 4, 15.0),
     "async lags 0..2": (["--rollout-dtype", "bf16", "--async-max-lag", "2"], COMMON + ASYNC, 4, 5.0),
     "bf16": (["--rollout-dtype", "bf16"], COMMON, 2, 5.0),
+    "bf16, top-p 0.9 processed": (["--rollout-dtype", "bf16", "--rollout-top-p", "0.9",
+                                   "--rollout-logprob-source", "processed"], CURVE, 4, 8.0),
+    "fp16": (["--rollout-dtype", "fp16"], CURVE, 2, 5.0),
+    "fp32": (["--rollout-dtype", "fp32"], CURVE, 2, 5.0),
     "async lags 0..4": (["--rollout-dtype", "bf16", "--async-max-lag", "4"], COMMON + ASYNC, 4, 5.0),
 }
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
@@ -100,7 +108,7 @@ def cells(regimes, seeds: int | None = None):
 
 def slug(regime: str) -> str:
     """The regime's name as a file name: "bf16 + fp8 weights" -> bf16_fp8_weights, "async lags 0..2" -> async_lags_0-2."""
-    return regime.replace(" + ", "_").replace(" ", "_").replace("..", "-")
+    return regime.replace(" + ", "_").replace(", ", "_").replace(" ", "_").replace("..", "-")
 
 
 def run_dir(out_dir: Path, regime: str, algorithm: str, seed: int) -> Path:
@@ -228,6 +236,79 @@ def figure(rows: list[dict], regime: str, path: Path) -> bool:
     return drawn
 
 
+# --------------------------------------------------------------------------- the safe-mismatch curve
+def curve(rows: list[dict]) -> list[dict]:
+    """One point per regime with standard PPO on ≥ 2 seeds, by increasing k3 (standard's mean raw k3 over its runs:
+    π_old recomputed by the trainer against the engine's π_rollout, staleness included in the async regimes): for
+    each uncorrected algorithm (standard, bypass), the correction whose paired mean gain over it is largest and that
+    gain with its 95 % interval. Choosing the largest of several is optimistic: the interval is that of the chosen
+    one alone."""
+    points = []
+    for regime in REGIMES:
+        standard = _cell(rows, regime, BASELINE)
+        if len(standard) < 2:
+            continue
+        point = {"regime": regime, "k3": _mean(_mean(r["raw_k3"]) for r in standard.values()), "gaps": {}}
+        for uncorrected in UNCORRECTED:
+            base = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, uncorrected).items()}
+            best = None
+            for correction in CORRECTIONS:
+                scores = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, correction).items()}
+                diff = paired_difference(scores, base)
+                if diff.n >= 2 and (best is None or diff.mean > best[1].mean):
+                    best = (correction, diff)
+            if best is not None:
+                point["gaps"][uncorrected] = {"correction": best[0], "mean": best[1].mean, "low": best[1].low,
+                                              "high": best[1].high, "seeds": best[1].n}
+        points.append(point)
+    return sorted(points, key=lambda p: p["k3"])
+
+
+def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
+    """Where correcting ``uncorrected`` starts to matter: the largest k3 below which no regime has a resolved gain
+    (``safe_below``: the k3 of the last such regime, None if the first already has one) and the first regime with a
+    resolved gain (``matters_at``, its correction; None if none has). A regime above ``matters_at`` without a resolved
+    gain is listed in ``unresolved_above`` (the curve need not be monotone)."""
+    safe, matters, above = None, None, []
+    for point in points:
+        gap = point["gaps"].get(uncorrected)
+        if gap is None:
+            continue
+        if gap["low"] > 0 and matters is None:
+            matters = {"k3": point["k3"], "regime": point["regime"], **gap}
+        elif matters is None:
+            safe = {"k3": point["k3"], "regime": point["regime"]}
+        elif gap["low"] <= 0:
+            above.append(point["regime"])
+    return {"uncorrected": uncorrected, "safe_below": safe, "matters_at": matters, "unresolved_above": above}
+
+
+def level_sentence(level: dict) -> str:
+    """``safe_level`` in words."""
+    safe, matters = level["safe_below"], level["matters_at"]
+    safe_text = "no regime" if safe is None else f"k3 = {safe['k3']:.2e} ({safe['regime']})"
+    matters_text = ("in no regime measured" if matters is None else
+                    f"at k3 = {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}, "
+                    f"{matters['mean']:+.3f} [{matters['low']:+.3f}, {matters['high']:+.3f}], n={matters['seeds']})")
+    above = (f"; no resolved gain above it in: {', '.join(level['unresolved_above'])}"
+             if level["unresolved_above"] else "")
+    return (f"{level['uncorrected']}: no resolved gain from a correction up to {safe_text}; the first resolved gain "
+            f"{matters_text}{above}")
+
+
+def curve_table(points: list[dict]) -> str:
+    lines = ["| regime | k3 (standard's raw) | best over standard [95 % CI] | best over bypass [95 % CI] |",
+             "|---|---|---|---|"]
+    for point in points:
+        cells = []
+        for uncorrected in UNCORRECTED:
+            gap = point["gaps"].get(uncorrected)
+            cells.append("—" if gap is None else f"{gap['correction']}: {gap['mean']:+.3f} [{gap['low']:+.3f}, "
+                         f"{gap['high']:+.3f}] (n={gap['seeds']})")
+        lines.append(f"| {point['regime']} | {point['k3']:.2e} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def tables(rows: list[dict], figures: Path | None) -> str:
     out = []
     for regime in REGIMES:
@@ -236,6 +317,9 @@ def tables(rows: list[dict], figures: Path | None) -> str:
         name = f"lab_verdicts_{slug(regime)}.png"
         if figures is not None and figure(rows, regime, figures / name):
             out.append(f"(figure: docs/figures/{name})\n")
+    points = curve(rows)
+    out += ["### What mismatch is safe", "", curve_table(points), ""]
+    out += [f"- {level_sentence(safe_level(points, uncorrected))}" for uncorrected in UNCORRECTED]
     return "\n".join(out)
 
 

@@ -71,3 +71,39 @@ def test_regime_table_by_hand(verdicts):
     assert bypass[6] == "0 / 0"  # gains of 0.24..0.28: learned
     assert sentences[0] == "bypass vs standard: no resolvable difference at 3 seeds (-0.040 [-0.090, +0.010] (n=3))"
     assert "not yet paired on 2 seeds (not shown):" in sentences[-1] and "seq_mis" in sentences[-1]
+
+
+def _regime_rows(verdicts, regime, k3, scores):
+    """Rows of ``regime``: algorithm -> per-seed final reward (first 10 steps at 0.3, last 10 at the score)."""
+    rows = []
+    for algorithm, per_seed in scores.items():
+        for seed, score in enumerate(per_seed):
+            row = _row(verdicts, algorithm, seed, [0.3] * 10 + [score] * 10)
+            row.update(regime=regime, raw_k3=[k3] * 20)
+            rows.append(row)
+    return rows
+
+
+def test_safe_mismatch_curve_by_hand(verdicts):
+    rows = (_regime_rows(verdicts, "fp32", 1e-10, {"standard": [0.7, 0.72], "bypass": [0.71, 0.7],
+                                                   "decoupled_tis": [0.7, 0.73]})
+            + _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                           {"standard": [0.5, 0.55, 0.6], "bypass": [0.2, 0.25, 0.2],
+                            "decoupled_tis": [0.8, 0.86, 0.9], "seq_mis": [0.5, 0.5, 0.5]})
+            + _regime_rows(verdicts, "bf16", 1.3e-3, {"standard": [0.7, 0.75], "decoupled_tis": [0.74, 0.7]}))
+    points = verdicts.curve(rows)
+    assert [p["regime"] for p in points] == ["fp32", "bf16", "bf16 + fp8 weights"]  # by k3
+    fp8 = points[2]
+    assert fp8["k3"] == pytest.approx(4e-2)
+    # over standard: decoupled_tis +0.3, +0.31, +0.3 (seq_mis −0.05): mean 0.3033, sd 0.00577, half 0.01434
+    gap = fp8["gaps"]["standard"]
+    assert gap["correction"] == "decoupled_tis" and gap["seeds"] == 3
+    assert gap["mean"] == pytest.approx(0.30333, abs=1e-4) and gap["low"] == pytest.approx(0.28899, abs=1e-4)
+    assert fp8["gaps"]["bypass"]["mean"] == pytest.approx(0.63667, abs=1e-4)
+    assert "bypass" not in points[1]["gaps"]  # bf16 has no bypass runs
+    level = verdicts.safe_level(points)
+    assert level["safe_below"] == {"k3": pytest.approx(1.3e-3), "regime": "bf16"}
+    assert level["matters_at"]["regime"] == "bf16 + fp8 weights" and level["unresolved_above"] == []
+    sentence = verdicts.level_sentence(level)
+    assert sentence.startswith("standard: no resolved gain from a correction up to k3 = 1.30e-03 (bf16); the first "
+                               "resolved gain at k3 = 4.00e-02 (bf16 + fp8 weights: decoupled_tis, +0.303 [+0.289, ")
