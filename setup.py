@@ -13,7 +13,8 @@ setup(
     packages=find_packages(include=["miles_mis", "miles_mis.*"]) + ["miles_mis.configs"],
     # the presets in configs/ ship inside the package as miles_mis.configs (MisConfig.preset reads them)
     package_dir={"miles_mis.configs": "configs"},
-    package_data={"miles_mis.configs": ["*.yaml"]},
+    # the analyzer's measured safe-mismatch curve (benchmarks/lab_verdicts.py writes it) ships with it
+    package_data={"miles_mis.configs": ["*.yaml"], "miles_mis.analyze": ["*.json"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
         "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb"],

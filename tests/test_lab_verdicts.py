@@ -107,3 +107,27 @@ def test_safe_mismatch_curve_by_hand(verdicts):
     sentence = verdicts.level_sentence(level)
     assert sentence.startswith("standard: no resolved gain from a correction up to k3 = 1.30e-03 (bf16); the first "
                                "resolved gain at k3 = 4.00e-02 (bf16 + fp8 weights: decoupled_tis, +0.303 [+0.289, ")
+
+
+def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
+    from miles_mis.analyze import safe_level
+
+    rows = (_regime_rows(verdicts, "bf16", 1.3e-3, {"standard": [0.7, 0.75], "decoupled_tis": [0.74, 0.7]})
+            + _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                           {"standard": [0.5, 0.55, 0.6], "decoupled_tis": [0.8, 0.86, 0.9]}))
+    path = tmp_path / "curve.json"
+    verdicts.write_curve(verdicts.curve(rows), rows, path)
+    curve = safe_level.load(path)
+    assert curve["steps"] == 20 and curve["levels"]["standard"]["matters_at"]["correction"] == "decoupled_tis"
+    assert safe_level.sentence(1e-3, curve).startswith("Safe by measurement: k3 = 1.00e-03 is at or below 1.30e-03 (bf16)")
+    assert safe_level.sentence(5e-2, curve).startswith("Above the safe level: k3 = 5.00e-02 is at or above 4.00e-02 "
+                                                       "(bf16 + fp8 weights), where decoupled_tis beat standard PPO by "
+                                                       "+0.303 reward [+0.289, +0.318] over 3 seeds")
+    assert "Between the measured levels" in safe_level.sentence(1e-2, curve)
+    assert safe_level.sentence(float("nan"), curve) is None and safe_level.sentence(1e-2, None) is None
+    # nothing resolved anywhere: safe within the measured range, unmeasured above it
+    flat = verdicts.curve(rows[:4])
+    verdicts.write_curve(flat, rows[:4], path)
+    assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("Safe by measurement: k3 = 1.00e-03 is at")
+    assert safe_level.sentence(1e-1, safe_level.load(path)).startswith("Not measured: k3 = 1.00e-01 is above every regime")
+    assert "(the largest: 1.30e-03, bf16)" in safe_level.sentence(1e-1, safe_level.load(path))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
+from . import safe_level as _safe_level
 from . import truncation as _truncation
 from .figures import finite_number as _finite
 
@@ -169,6 +170,7 @@ def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | 
     lines += _calls_section(statistics, figures)
     lines += _histogram_section(statistics, figures)
     lines += _worst_section(statistics)
+    lines += _safe_level_section(statistics)
     lines += _candidates_section(results, recommendation)
     lines += _recommendation_section(recommendation, config_path)
     return "\n".join(lines).rstrip() + "\n"
@@ -183,6 +185,12 @@ def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
                                                                values["standardized_mean"], values["mean"],
                                                                bool(values["fired"]))
             + [""])
+
+
+def _safe_level_section(statistics: Mapping[str, Any]) -> list[str]:
+    """This dump's k3 against the mismatch measured safe on a real model (``safe_level``), when one is shipped."""
+    text = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
+    return [] if text is None else ["## Is this mismatch safe?", "", text, ""]
 
 
 def _figures_note() -> str:
@@ -444,6 +452,7 @@ def to_json(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, re
         out.setdefault(key, [] if key.startswith("by_") else None)
     out["k3_context"] = k3_context(statistics)
     out["trend_sentence"] = trend_sentence(statistics)
+    out["safe_level"] = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
     out["candidates"] = _jsonable(dict(results or {}))
     out["recommendation"] = _recommendation_json(recommendation)
     return out
@@ -483,6 +492,9 @@ def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | Non
              f"max |Δ log p| = {fmt(statistics.get('max_abs_log_ratio'))}",
              f"non-finite log-probs: {fmt(statistics.get('nonfinite_fraction'))} of valid tokens",
              trend_sentence(statistics)]
+    safe = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
+    if safe is not None:
+        lines.append(safe)
     first = f" ({reasons[0]})" if reasons else ""
     evaluated = f" of {len(results)} candidates" if results else ""
     lines.append(f"recommendation{evaluated}: {name if name is not None else 'none'}{first}")
