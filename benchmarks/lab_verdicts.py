@@ -73,6 +73,8 @@ ALGORITHMS = {  # name -> (host flags, mis.yaml)
     "fixed_drop": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1}),
     "lag_gate": (["--use-tis"], {**TOKEN_TIS, "rs_max_lag": 1, "rs_max_lag_k3": 0.05}),
     # the bypass mechanism (fp8 only)
+    # DPPO's directional mask inside decoupled PPO (prime_rl is its REINFORCE form), fp8 only
+    "dppo_ppo": (["--use-tis"], {**TOKEN_TIS, "rs_divergence": {"token_dtv": [-0.2, 0.2]}}),
     "bypass_wide_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
     "standard_wide_clip": (["--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
 }
@@ -84,7 +86,7 @@ COMMON = ("standard", "bypass", "decoupled_tis", "seq_mis", "ratio_mask", "prime
 ASYNC = ("lag_bound", "fixed_drop", "lag_gate")
 REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before any row of it is measured)
     "bf16 + fp8 weights": (["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-                           COMMON + ("bypass_wide_clip", "standard_wide_clip"), 4, 15.0),
+                           COMMON + ("dppo_ppo", "bypass_wide_clip", "standard_wide_clip"), 4, 15.0),
     "async lags 0..2": (["--rollout-dtype", "bf16", "--async-max-lag", "2"], COMMON + ASYNC, 4, 5.0),
     "bf16": (["--rollout-dtype", "bf16"], COMMON, 2, 5.0),
     "bf16, top-p 0.9 processed": (["--rollout-dtype", "bf16", "--rollout-top-p", "0.9",
@@ -96,7 +98,9 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
 SERIES = ("reward", "raw_k3", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3", "pg_clipfrac",
           "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess", "mis_is_ratio_mean_final",
-          "mis_batch_gated", "mis_tis_truncate_fraction", "ois")
+          "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction", "removed_abs_advantage",
+          "abs_advantage", "removed_positive_advantage", "mis_rs_stale_seq_fraction",
+          "mis_rs_divergence_masked_token_fraction")
 
 
 def cells(regimes, seeds: int | None = None):

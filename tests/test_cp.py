@@ -283,7 +283,8 @@ def host_worker(rank, size):
         assert abs(float(loss) - float(ref_loss)) < 1e-5 * max(1.0, abs(float(ref_loss))), (argv, loss, ref_loss)
         for i, g in enumerate(grads):
             torch.testing.assert_close(g, ref_grads[i][owned[i]], rtol=1e-5, atol=1e-7)
-        for name in ("ppo_kl", "pg_clipfrac", "ppo_ratio_outside_clip", "ois", "mis_kl", "opsm_fraction"):
+        for name in ("ppo_kl", "pg_clipfrac", "ppo_ratio_outside_clip", "ois", "mis_kl", "opsm_fraction",
+                     "removed_token_fraction", "removed_abs_advantage", "removed_positive_advantage", "abs_advantage"):
             if name in metrics:
                 value = torch.tensor(float(metrics[name]), dtype=torch.float64)
                 if name != "opsm_fraction":  # a per-batch fraction, identical on every rank

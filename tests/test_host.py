@@ -154,6 +154,11 @@ def test_rejection_rebuilds_numerator_but_keeps_original_denominator(repo_root):
     torch.testing.assert_close(g1, torch.tensor([-1.0 / 2, -1.0 / 2]))
     assert loss.item() == pytest.approx(-1.0, rel=1e-6)  # Σ_seq mean: 0 + (−1·1·1)
     assert metrics["mis_tis_mask_fraction_low"].item() == pytest.approx(1.0)  # Σ over sequences: 1 + 0
+    # what the mask removed (Σ over sequences of per-sequence means): all of sequence 0 (|A| = 1, A > 0), none of 1
+    assert metrics["removed_token_fraction"].item() == pytest.approx(1.0)
+    assert metrics["removed_abs_advantage"].item() == pytest.approx(1.0)
+    assert metrics["removed_positive_advantage"].item() == pytest.approx(1.0)
+    assert metrics["abs_advantage"].item() == pytest.approx(2.0)  # 1 + 1: half the advantage mass removed
 
 
 def test_per_token_loss_sums_tokens():

@@ -206,9 +206,22 @@ def _call_correction(args: argparse.Namespace, prepared: SimpleNamespace, pg_los
                           args.calculate_per_token_loss)
     reduce = prepared.reduce
     metrics["ois"] = reduce((-prepared.ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()).detach()
+    metrics.update(removed_token_metrics(reduce, reduce_loss.mask, prepared.advantages))
     for name, value in tis_metrics.items():
         metrics[name] = reduce(value.float()).detach()  # with the ORIGINAL masks
     return pg_loss, reduce_loss
+
+
+def removed_token_metrics(reduce: Reducer, returned_mask: Tensor, advantages: Tensor) -> dict[str, Tensor]:
+    """What the correction's returned mask took out of the loss (local tokens, the reducer of the input masks):
+    ``removed_token_fraction`` (tokens dropped), ``removed_abs_advantage`` (their |A|) beside ``abs_advantage`` (every
+    token's |A|): the ratio of the two is the share of the advantage mass removed, and ``removed_positive_advantage``
+    (dropped tokens with A > 0), which says which way the removed gradient pointed."""
+    removed = (returned_mask == 0).double()
+    magnitude = advantages.double().abs()
+    return {"removed_token_fraction": reduce(removed).detach(), "abs_advantage": reduce(magnitude).detach(),
+            "removed_abs_advantage": reduce(removed * magnitude).detach(),
+            "removed_positive_advantage": reduce(removed * (advantages > 0).double()).detach()}
 
 
 def optional_kwargs_taken(function: Callable, extra: dict[str, Any]) -> dict[str, Any]:
