@@ -120,6 +120,49 @@ def train_child(argv: list[str], run_dir: Path) -> tuple[list[dict], float, floa
     return history, time.perf_counter() - started, peak / 1024 if peak > before else None
 
 
+UNRECORDED = "earlier machine (not recorded)"  # rows written before rows named their machine
+
+
+def machine_of(row: dict) -> str:
+    return row.get("machine", UNRECORDED)
+
+
+def _key(row: dict, fields: tuple[str, ...]) -> tuple:
+    return tuple(row[f] for f in fields)
+
+
+def by_machine(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...]) -> dict[tuple, dict]:
+    """(seed key..., machine) -> {cell key: row}: each seed's cells, per machine that ran them."""
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        groups.setdefault((*_key(row, seed_fields), machine_of(row)), {})[_key(row, cell_fields)] = row
+    return groups
+
+
+def one_machine_per_seed(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...]) -> list[dict]:
+    """The rows that pair: per seed, the cells of one machine, the one holding most of that seed's cells (the whole
+    set when one does). Seeds pair within a machine only: the same seed's first rollout differs between VMs
+    (vLLM-CPU's kernels follow the CPU), so a cell run on another machine is not the same experiment."""
+    chosen: dict[tuple, dict] = {}
+    for key, group in by_machine(rows, seed_fields, cell_fields).items():
+        if len(group) > len(chosen.get(key[:-1], {})):
+            chosen[key[:-1]] = group
+    return [row for group in chosen.values() for row in group.values()]
+
+
+def left_here(cells: list[dict], rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...],
+              here: str) -> list[dict]:
+    """The cells this machine still runs: those of every seed no machine holds whole, except the ones this machine
+    has run (a seed split across machines runs again here, whole, so that its cells pair)."""
+    wanted: dict[tuple, int] = {}
+    for cell in cells:
+        wanted[_key(cell, seed_fields)] = wanted.get(_key(cell, seed_fields), 0) + 1
+    complete = {key[:-1] for key, group in by_machine(rows, seed_fields, cell_fields).items()
+                if len(group) >= wanted.get(key[:-1], 0)}
+    done_here = {_key(r, seed_fields + cell_fields) for r in rows if machine_of(r) == here}
+    return [c for c in cells if _key(c, seed_fields) not in complete and _key(c, seed_fields + cell_fields) not in done_here]
+
+
 def read_results(path: Path) -> list[dict]:
     if not path.exists():
         return []

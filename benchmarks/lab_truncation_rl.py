@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import append_result, machine, read_results, train_child  # noqa: E402 (the results files' format)
+from lab_sweep import (append_result, left_here, machine, one_machine_per_seed, read_results,  # noqa: E402
+                       train_child)
 
 from miles_mis.lab.evidence import last_mean, paired_difference  # noqa: E402
 
@@ -53,10 +54,15 @@ def cells(seeds: int, top_ps: tuple[float, ...] = TOP_P):
                         yield top_p, seed, mode, algorithm
 
 
+SEED, CELL = ("top_p", "seed"), ("mode", "algorithm")  # a seed's set of cells pairs within one machine
+
+
 def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, results: Path) -> None:
-    done = {(r["top_p"], r["seed"], r["mode"], r["algorithm"]) for r in read_results(results) if r["steps"] == steps}
-    todo = [cell for cell in cells(seeds, top_ps) if cell not in done]
-    print(f"truncation rl: {len(todo)} runs to do ({len(done)} done)", file=sys.stderr, flush=True)
+    rows = [r for r in read_results(results) if r["steps"] == steps]
+    fields = SEED + CELL
+    wanted = [dict(zip(fields, cell)) for cell in cells(seeds, top_ps)]
+    todo = [_key_of(c) for c in left_here(wanted, rows, SEED, CELL, MACHINE)]
+    print(f"truncation rl: {len(todo)} runs to do ({len(rows)} rows)", file=sys.stderr, flush=True)
     for count, (top_p, seed, mode, algorithm) in enumerate(todo, 1):
         run_dir = out_dir / f"top_p_{top_p}" / mode.replace(", ", "_").replace(" ", "_") / algorithm / f"seed{seed}"
         argv = [*SHAPE, *ALGORITHMS[algorithm], *MODES[mode], "--rollout-top-p", str(top_p), "--seed", str(seed),
@@ -69,6 +75,10 @@ def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, result
         append_result(results, row)
 
 
+def _key_of(cell: dict) -> tuple:
+    return cell["top_p"], cell["seed"], cell["mode"], cell["algorithm"]
+
+
 def paired(rows: list[dict], top_p: float, algorithm: str, mode: str, tail: int = 10) -> tuple[int, float, float]:
     """(seeds, mean, 95 % half-width) of the last-``tail``-step reward of ``mode`` minus replay, paired by seed."""
     scores = {m: {r["seed"]: last_mean(r["reward"], tail) for r in rows
@@ -78,8 +88,9 @@ def paired(rows: list[dict], top_p: float, algorithm: str, mode: str, tail: int 
 
 
 def table(rows: list[dict]) -> str:
+    rows = one_machine_per_seed(rows, SEED, CELL)
     lines = ["| top-p | algorithm | scoring | seeds | last-10 reward | Δ vs replay (95 % CI) | ratio mean | "
-             "negative ℓ | mean/std | alarm | kept set | s / step | peak RSS MiB |", "|" + "---|" * 13]
+             "negative ℓ | mean/std | alarm | kept set |", "|" + "---|" * 11]
     for top_p in TOP_P:
         for algorithm in ALGORITHMS:
             for mode in MODES:
@@ -94,14 +105,40 @@ def table(rows: list[dict]) -> str:
                 delta = ("—" if mode == "replay" or n == 0 else
                          f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
                 kept = "—" if all(v is None for r in cell for v in r["kept_set_size_mean"]) else f"{mean('kept_set_size_mean'):.1f}"
-                seconds = statistics.median(s for r in cell for s in r["seconds"][1:])
-                rss = [r["peak_rss_mib"] for r in cell if r["peak_rss_mib"]]
-                rss = f"{max(rss):.0f}" if rss else "—"
                 lines.append(f"| {top_p} | {algorithm} | {mode} | {len(cell)} | {statistics.mean(reward):.3f}"
                              f"{f' ± {statistics.stdev(reward):.3f}' if len(reward) > 1 else ''} | {delta} | "
                              f"{mean('raw_ratio_mean'):.4f} | {mean('mis_log_ratio_negative_fraction'):.3f} | "
                              f"{mean('mis_log_ratio_standardized_mean'):+.2f} | {mean('mis_unreplayed_truncation'):.2f} | "
-                             f"{kept} | {seconds:.1f} | {rss} |")
+                             f"{kept} |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: list[dict]) -> str:
+    """What replay costs per step and in memory, paired by seed against processed scoring without replay, on the
+    same machine (rows that name one): the ratio of median step times (every step but the first) and of peak RSS."""
+    lines = ["| top-p | algorithm | seeds (machine) | s / step, no replay → replay | step time ratio, per seed | "
+             "peak RSS MiB, no replay → replay |", "|---|---|---|---|---|---|"]
+    for top_p in TOP_P:
+        for algorithm in ALGORITHMS:
+            pairs = []
+            for base in rows:
+                if (base["top_p"], base["algorithm"], base["mode"]) != (top_p, algorithm, "processed, no replay"):
+                    continue
+                replay = next((r for r in rows if (r["top_p"], r["algorithm"], r["mode"], r["seed"]) ==
+                               (top_p, algorithm, "replay", base["seed"]) and r.get("machine")
+                               and r.get("machine") == base.get("machine")), None)
+                if replay is not None:
+                    pairs.append((base, replay))
+            if not pairs:
+                continue
+            step = lambda r: statistics.median(r["seconds"][1:])  # noqa: E731
+            ratios = ", ".join(f"{step(r) / step(b):.2f}" for b, r in pairs)
+            machines = sorted({b["machine"] for b, _ in pairs})
+            rss = [(b["peak_rss_mib"], r["peak_rss_mib"]) for b, r in pairs if b["peak_rss_mib"] and r["peak_rss_mib"]]
+            memory = (f"{max(b for b, _ in rss):.0f} → {max(r for _, r in rss):.0f}" if rss else "—")
+            lines.append(f"| {top_p} | {algorithm} | {len(pairs)} ({'; '.join(machines)}) | "
+                         f"{statistics.median(step(b) for b, _ in pairs):.1f} → {statistics.median(step(r) for _, r in pairs):.1f} | "
+                         f"{ratios} | {memory} |")
     return "\n".join(lines)
 
 
@@ -117,7 +154,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.part == "run":
         run(args.seeds, args.steps, tuple(args.top_p), args.out_dir, args.results)
-    print(table([r for r in read_results(args.results) if r["steps"] == args.steps]))
+    rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
+    print(table(rows) + "\n\n" + cost_table(rows))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a 
 top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
 the machine) is appended to benchmarks/results/lab_verdicts.jsonl, and a run already there is skipped, so the sweep
 continues across sessions (a run interrupted halfway resumes from its checkpoint, every 10 steps, while its folder
-exists). Same seed = same prompts and the same first rollout for every algorithm of a regime: differences are paired.
+exists). Same seed = same prompts and the same first rollout for every algorithm of a regime, on one machine:
+differences are paired. Another VM's vLLM-CPU kernels give the same seed another first rollout, so a seed's
+algorithms pair only within one machine (each row names it): a seed left incomplete by a session runs again, whole,
+on the next machine, and the tables take each seed from the machine that holds most of it.
 
 Regimes, in the order they run (REGIMES): bf16 + fp8 weights (W8A8, the regime with effects), the asynchronous
 buffer with mixed lags 0..2 at bf16, bf16 synchronous as the control (2 seeds), and the lag-heavier buffer 0..4.
@@ -39,7 +42,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import append_result, machine, read_results, train_child  # noqa: E402 (the results files' format)
+from lab_sweep import (append_result, left_here, machine, one_machine_per_seed, read_results,  # noqa: E402
+                       train_child)
 
 from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_difference, steps_to_level,  # noqa: E402
                                     verdict)
@@ -127,9 +131,15 @@ def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Pat
             "--steps", str(steps)]
 
 
-def todo(regimes, seeds: int | None, steps: int, results: Path) -> list[tuple[str, int, str]]:
-    done = {(r["regime"], r["seed"], r["algorithm"]) for r in read_results(results) if r["steps"] == steps}
-    return [cell for cell in cells(regimes, seeds) if cell not in done]
+SEED, CELL = ("regime", "seed"), ("algorithm",)  # a seed's algorithms pair within one machine (lab_sweep.left_here)
+
+
+def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None) -> list[tuple[str, int, str]]:
+    """The runs left for this machine: every seed no machine holds whole, but for the cells this machine ran."""
+    rows = [r for r in read_results(results) if r["steps"] == steps]
+    wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm} for regime, seed, algorithm in cells(regimes, seeds)]
+    left = left_here(wanted, rows, SEED, CELL, machine() if here is None else here)
+    return [(c["regime"], c["seed"], c["algorithm"]) for c in left]
 
 
 def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) -> None:
@@ -359,7 +369,7 @@ def main() -> None:
         return
     if args.part == "run":
         run(args.regimes, args.seeds, args.steps, args.out_dir, args.results)
-    rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
+    rows = one_machine_per_seed([r for r in read_results(args.results) if r["steps"] == args.steps], SEED, CELL)
     print(tables(rows, None if args.no_figures else FIGURES))
 
 

@@ -131,3 +131,22 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("Safe by measurement: k3 = 1.00e-03 is at")
     assert safe_level.sentence(1e-1, safe_level.load(path)).startswith("Not measured: k3 = 1.00e-01 is above every regime")
     assert "(the largest: 1.30e-03, bf16)" in safe_level.sentence(1e-1, safe_level.load(path))
+
+
+def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from lab_sweep import append_result, one_machine_per_seed
+
+    results = tmp_path / "rows.jsonl"
+    algorithms = verdicts.REGIMES["fp32"][1]  # standard, bypass, decoupled_tis
+    for algorithm in algorithms:  # seed 0 whole on machine A
+        append_result(results, {"regime": "fp32", "seed": 0, "algorithm": algorithm, "steps": 40, "machine": "A"})
+    append_result(results, {"regime": "fp32", "seed": 1, "algorithm": "standard", "steps": 40, "machine": "A"})
+    append_result(results, {"regime": "fp32", "seed": 1, "algorithm": "bypass", "steps": 40, "machine": "B"})
+    # on B: seed 1 again but for bypass (done there); seed 0 is whole on A
+    assert verdicts.todo(["fp32"], 2, 40, results, here="B") == [("fp32", 1, "standard"), ("fp32", 1, "decoupled_tis")]
+    # on a third machine: seed 1 whole
+    assert verdicts.todo(["fp32"], 2, 40, results, here="C") == [("fp32", 1, a) for a in algorithms]
+    rows = verdicts.read_results(results)
+    chosen = one_machine_per_seed(rows, verdicts.SEED, verdicts.CELL)
+    assert sorted((r["seed"], r["machine"]) for r in chosen) == [(0, "A"), (0, "A"), (0, "A"), (1, "A")]
