@@ -19,31 +19,19 @@ vLLM engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+
+from .prompts import Prompts  # noqa: F401 (the policies' batch type, named here with the interface)
 
 MODELS = ("tiny", "smollm2-135m")
-
-
-@dataclass
-class Prompts:
-    """One rollout batch's prompts: ``tokens`` ([N, P] or N 1-d tensors), ``problems`` (what rewards read)."""
-
-    tokens: Tensor | list[Tensor]
-    problems: list[Any]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(p.numel()) for p in self.tokens]
 
 
 def make_policy(args: Any):
     """The ``--model`` policy: ``TinyPolicy`` (tiny_policy.py) or ``SmolLMPolicy`` (smollm_policy.py)."""
     if args.model == "tiny":
-        from .tiny_policy import TinyPolicy  # imported here: both modules import this one's Prompts
+        from .tiny_policy import TinyPolicy  # imported here: a policy's dependencies load only when chosen
 
         return TinyPolicy(args)
     from .smollm_policy import SmolLMPolicy

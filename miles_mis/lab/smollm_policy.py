@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import arithmetic, kept_set, smollm, vllm_engine
 from .model import right_padded
-from .policy import Prompts
+from .prompts import Prompts
 
 NAME = "smollm2-135m"
 MAX_MODEL_LEN = 256  # positions the engine serves: the chat prompt (~45 tokens) plus the response

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import task, vllm_engine
 from .engine import RolloutEngine
 from .model import ModelConfig, TinyGPT, sequence_log_probs
-from .policy import Prompts
+from .prompts import Prompts
 
 
 def warm_start(model: TinyGPT, steps: int, num_digits: int, seed: int, lr: float = 3e-3, kind: str = "sort") -> None:
