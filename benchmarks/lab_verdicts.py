@@ -22,7 +22,7 @@ standard PPO, and says how many; nothing is dropped silently.
 Statistics (miles_mis.lab.evidence): the score of a run is its last-10-step mean reward; every algorithm against
 standard PPO gets the paired difference with a 95 % t interval over seeds, and a verdict sentence only where the
 interval excludes 0. Also per cell: the steps to a 5-step mean reward of LEVEL, and how many runs collapsed (ended
-below their first 10 steps) or stalled (gained less than 0.1).
+0.05 or more below their first 10 steps) or stalled (gained less than 0.1).
 
 Mechanism runs (fp8 only): bypass and standard PPO with the clip widened to ε = 0.5 (ln 1.5 = 0.41, above the mean
 |ℓ| of 0.19 under fp8): if bypass fails because the engine's error puts its tokens outside PPO's clip range before

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 TAIL = 10  # the score of a run: its last-TAIL-step mean reward
-COLLAPSE_GAIN = 0.0  # a run collapsed when its last-10 reward ends below its first-10 reward
+COLLAPSE_GAIN = -0.05  # a run collapsed when its last-10 reward ends 0.05 or more below its first-10 reward
 STALL_GAIN = 0.1  # a run stalled when it gained less than this (reward is a fraction in [0, 1])
 LEVEL_WINDOW = 5  # the time to a reward level: the first step whose trailing 5-step mean reaches it
 
@@ -145,7 +145,8 @@ def steps_to_level(series: Sequence[float], level: float, window: int = LEVEL_WI
 
 
 def outcome(series: Sequence[float]) -> str:
-    """collapsed (last-10 reward below the first 10), stalled (gain < STALL_GAIN) or learned."""
+    """collapsed (the last-10 reward at least 0.05 below the first 10: a flat run's noise is not a collapse), stalled
+    (gain < STALL_GAIN) or learned."""
     gain = last_mean(series) - first_mean(series)
     if gain < COLLAPSE_GAIN:
         return "collapsed"
