@@ -84,5 +84,5 @@ def test_steps_to_level_and_outcomes():
     rising = [0.3] * 10 + [0.6] * 10
     assert evidence.outcome(rising) == "learned"
     assert evidence.outcome([0.3] * 10 + [0.35] * 10) == "stalled"
-    assert evidence.outcome([0.3] * 10 + [0.25] * 10) == "collapsed"
+    assert evidence.outcome([0.3] * 10 + [0.2] * 10) == "collapsed"
     assert evidence.outcome([0.3] * 10 + [0.27] * 10) == "stalled"  # a 0.03 dip is noise, not a collapse
