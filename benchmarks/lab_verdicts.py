@@ -185,6 +185,11 @@ def _mean(values) -> float:
     return statistics.mean(values) if values else math.nan
 
 
+def _shown(value: float, spec: str) -> str:
+    """``value`` formatted, or — where the runs do not record it (REINFORCE has no clip range)."""
+    return "—" if math.isnan(value) else format(value, spec)
+
+
 def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
     """The markdown table of one regime and its verdict sentences (algorithms paired with standard on ≥ 2 seeds)."""
     baseline = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, BASELINE).items()}
@@ -209,9 +214,9 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
             f"| {algorithm} | {len(cell)} | {_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
             f"{statistics.mean(scores.values()):.3f}{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
             f"{delta} | {level} | {outcomes.count('collapsed')} / {outcomes.count('stalled')} | "
-            f"{_mean(_mean(r['raw_k3']) for r in cell.values()):.2e} | "
-            f"{_mean(_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()):.3f} | "
-            f"{_mean(_mean(r['seconds'][1:]) for r in cell.values()):.1f} |")
+            f"{_shown(_mean(_mean(r['raw_k3']) for r in cell.values()), '.2e')} | "
+            f"{_shown(_mean(_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()), '.3f')} | "
+            f"{_shown(_mean(_mean(r['seconds'][1:]) for r in cell.values()), '.1f')} |")
         if algorithm != BASELINE:
             sentences.append(verdict(algorithm, BASELINE, diff))
     missing = [a for a in REGIMES[regime][1] if a != BASELINE and
