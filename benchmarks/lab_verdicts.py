@@ -339,6 +339,49 @@ def curve_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- mechanisms
+MECHANISMS = (  # (regime, question, algorithm, its comparison, what to read of both)
+    ("bf16 + fp8 weights", "bypass: does the clip range explain its failure?", "bypass_wide_clip", "bypass",
+     "first_minibatch_ppo_ratio_outside_clip"),
+    ("bf16 + fp8 weights", "widening the clip alone (the control)", "standard_wide_clip", "standard",
+     "first_minibatch_ppo_ratio_outside_clip"),
+    ("bf16 + fp8 weights", "DPPO's mask: inside decoupled PPO against its REINFORCE form", "dppo_ppo", "prime_rl",
+     "removed"),
+    ("async lags 0..2", "the lag gate against the fixed drop", "lag_gate", "fixed_drop", "removed"),
+    ("async lags 0..4", "the lag gate against the fixed drop", "lag_gate", "fixed_drop", "removed"),
+)
+
+
+def _ratio_of_means(cell: dict[int, dict], numerator: str, denominator: str) -> float:
+    """Σ over runs and steps of ``numerator`` / the same of ``denominator`` (nan when either is missing)."""
+    top = [v for r in cell.values() for v in r.get(numerator) or [] if v is not None]
+    bottom = [v for r in cell.values() for v in r.get(denominator) or [] if v is not None]
+    return sum(top) / sum(bottom) if top and bottom and sum(bottom) > 0 else math.nan
+
+
+def mechanism_lines(rows: list[dict]) -> list[str]:
+    """Per mechanism with both cells paired on ≥ 2 seeds: the paired reward difference, and what each removed
+    (its share of the |A| mass and the share of it with A > 0) or how many tokens its PPO ratio put outside the clip
+    range at the first minibatch."""
+    lines = []
+    for regime, question, algorithm, other, read in MECHANISMS:
+        a, b = _cell(rows, regime, algorithm), _cell(rows, regime, other)
+        diff = paired_difference({s: last_mean(r["reward"]) for s, r in a.items()},
+                                 {s: last_mean(r["reward"]) for s, r in b.items()})
+        if diff.n < 2:
+            continue
+        if read == "removed":
+            parts = [f"{name} removes {_shown(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
+                     f"of the |A| mass, {_shown(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
+                     f"of its removed tokens with A > 0, {_shown(100 * _mean(_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
+                     "of sequences as stale" for name, cell in ((algorithm, a), (other, b))]
+        else:
+            parts = [f"{name}: {_shown(100 * _mean(_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
+                     "the clip range at the first minibatch" for name, cell in ((algorithm, a), (other, b))]
+        lines.append(f"- {regime}, {question}: {verdict(algorithm, other, diff)}; " + "; ".join(parts))
+    return lines
+
+
 def tables(rows: list[dict], figures: Path | None) -> str:
     out = []
     for regime in REGIMES:
@@ -347,6 +390,8 @@ def tables(rows: list[dict], figures: Path | None) -> str:
         name = f"lab_verdicts_{slug(regime)}.png"
         if figures is not None and figure(rows, regime, figures / name):
             out.append(f"(figure: docs/figures/{name})\n")
+    mechanisms = mechanism_lines(rows)
+    out += ["### Mechanisms", "", *(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), ""]
     points = curve(rows)
     out += ["### What mismatch is safe", "", curve_table(points), ""]
     out += [f"- {level_sentence(safe_level(points, uncorrected))}" for uncorrected in UNCORRECTED]

@@ -150,3 +150,22 @@ def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):
     rows = verdicts.read_results(results)
     chosen = one_machine_per_seed(rows, verdicts.SEED, verdicts.CELL)
     assert sorted((r["seed"], r["machine"]) for r in chosen) == [(0, "A"), (0, "A"), (0, "A"), (1, "A")]
+
+
+def test_mechanism_lines_by_hand(verdicts):
+    rows = []
+    for seed in range(2):
+        for algorithm, score, removed, positive in (("lag_gate", 0.5, 0.1, 0.05), ("fixed_drop", 0.6, 0.2, 0.05)):
+            row = _row(verdicts, algorithm, seed, [0.3] * 10 + [score + 0.01 * seed] * 10)
+            # per step: |A| mass 1.0, the removed part of it, removed tokens 0.1 of which `positive` have A > 0
+            row.update(regime="async lags 0..2", abs_advantage=[1.0] * 20, removed_abs_advantage=[removed] * 20,
+                       removed_token_fraction=[0.1] * 20, removed_positive_advantage=[positive] * 20,
+                       mis_rs_stale_seq_fraction=[removed] * 20)
+            rows.append(row)
+    lines = verdicts.mechanism_lines(rows)
+    assert len(lines) == 1
+    line = lines[0]
+    assert line.startswith("- async lags 0..2, the lag gate against the fixed drop: lag_gate ends below fixed_drop: "
+                           "-0.100")  # the same −0.1 on both seeds: a zero-width interval
+    assert "lag_gate removes 10.0 % of the |A| mass, 50 % of its removed tokens with A > 0, 10.0 % of sequences" in line
+    assert "fixed_drop removes 20.0 % of the |A| mass" in line
