@@ -212,29 +212,10 @@ def generation_row(dtype: str) -> dict:
         measured, seeds[:64], budget, [0] * 32 + [8] * 32)
     tokens, log_probs = engine.generate_arriving(measured + others, seeds, budget, [0] * 64 + [4] * 64)
     runs["with 64 other requests arriving after 4 decode steps"] = (tokens[:64], log_probs[:64])
+    from miles_mis.lab.batch_variance import compare_generations
+
     rows = {name: compare_generations(reference, run) for name, run in runs.items()}
     return {"dtype": dtype, "responses": 64, "tokens": int(sum(len(t) for t in reference[0])), "rows": rows}
-
-
-def compare_generations(reference, other) -> dict:
-    """Two generations of the same requests, each (tokens, log-probs) per request: how many responses are identical,
-    and the log-prob difference on each response's common prefix (its tokens before the first that differs)."""
-    import torch
-
-    from miles_mis.analyze.estimators import k3_terms
-
-    identical, compared, differences = 0, 0, [torch.zeros(0, dtype=torch.float64)]
-    for ref_tokens, ref_lp, got_tokens, got_lp in zip(*reference, *other):
-        shared = min(len(ref_tokens), len(got_tokens))
-        prefix = int((ref_tokens[:shared] == got_tokens[:shared]).long().cumprod(0).sum())
-        identical += int(prefix == len(ref_tokens) == len(got_tokens))
-        compared += prefix
-        differences.append(ref_lp[:prefix].double() - got_lp[:prefix].double())
-    difference = torch.cat(differences)
-    return {"identical_responses": identical, "prefix_tokens": compared,
-            "max_abs": float(difference.abs().max()) if compared else 0.0,
-            "mean_abs": float(difference.abs().mean()) if compared else 0.0,
-            "k3": float(k3_terms(difference).mean()) if compared else 0.0}
 
 
 # --------------------------------------------------------------------------- RL

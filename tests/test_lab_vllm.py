@@ -252,3 +252,22 @@ def test_requests_arriving_mid_decode_keep_their_seeds():
         assert all(torch.isfinite(lp).all() for lp in got_log_probs)
     with pytest.raises(ValueError, match="16 prompts, 15 seeds and 16 arrivals"):
         eng.generate_arriving(batch, seeds[:15], DIGITS + 2, [0] * 16)
+
+
+@needs_vllm
+def test_measure_batch_term(tmp_path, capsys):
+    """``measure --batch-term``: the first batch decoded again one request at a time with the same seeds; the row
+    and the printout give how many responses stayed identical and the k3 on their common prefixes; refused, in one
+    line, without the vLLM engine."""
+    from miles_mis.cli import main
+
+    flags = ["measure", "--engine", "vllm", "--rollout-dtype", "fp32", "--batches", "1", "--prompts-per-step", "4",
+             "--group-size", "4", "--json", str(tmp_path / "row.json"), "--batch-term"]
+    assert main(flags) == 0
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["batch_term_responses"] == 16 and 0 <= row["batch_term_identical_responses"] <= 16
+    assert 0 < row["batch_term_prefix_tokens"] <= row["tokens"]
+    assert 0.0 <= row["batch_term_k3"] < 1e-6 and row["batch_term_max_abs"] < 1e-3  # fp32: at most rounding
+    assert "decoded one at a time instead of in this batch:" in capsys.readouterr().out
+    assert main(["measure", "--batches", "1", "--batch-term"]) == 1
+    assert "--batch-term decodes requests again one at a time" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import torch
 
 from .. import compute_mis_weights
 from ..config import MisConfig, preset_files
+from .batch_variance import compare_generations
 from .dump import PolicyLossDumper, policy_loss_record
 from .train import build_parser as train_parser
 from .kept_set import KeptSets
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("measure")
     group.add_argument("--batches", type=int, default=4, help="rollout batches to measure, >= 1")
     group.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the row as JSON")
+    group.add_argument("--batch-term", action="store_true",
+                       help="--engine vllm: decode the first batch's requests again one at a time, with the same "
+                            "seeds, and report how far that moves the engine's tokens and log-probs (the batch "
+                            "composition term)")
     return parser
 
 
@@ -86,16 +91,17 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-") if args.dump_details is None else None
     dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
     dumper = PolicyLossDumper(dump_dir, 0)
-    old_all, rollout_all, rewards, kept = [], [], [], []
+    old_all, rollout_all, rewards, kept, terms = [], [], [], [], {}
     for batch, batch_rewards in rollout_batches(args, progress, engine, policy):
         kept += batch.get("kept", [])
+        terms.update(batch.get("batch_term", {}))
         dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
         old_all += batch["log_probs"]
         rollout_all += batch["rollout_log_probs"]
         rewards.append(batch_rewards)
     row = {"model": args.model, "engine": args.engine, "setting": setting_name(args),
            **mismatch_summary(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
-           **_live_location(old_all, rollout_all), **kept_set_summary(kept)}
+           **_live_location(old_all, rollout_all), **kept_set_summary(kept), **terms}
     analysis = analyze(dump_dir)
     row["by_rollout_prob"] = [{"bucket": r["bucket"], "tokens": r["tokens"], "k3": r["k3"]}
                               for r in analysis.statistics["by_rollout_prob"] if r["tokens"]]
@@ -131,12 +137,25 @@ def rollout_batches(args: argparse.Namespace, progress: bool = True, engine=None
                  "response_lengths": [r.numel() for r in responses], "total_lengths": [s.numel() for s in sequences]}
         if kept is not None or engine_kept is not None:  # the sets scored over, else the engine's (sizes only)
             batch["kept"] = kept if kept is not None else engine_kept
+        if getattr(args, "batch_term", False) and batch_index == 0:
+            batch["batch_term"] = batch_term(engine, prompts.tokens, responses, rollout_log_probs,
+                                             policy.max_new_tokens)
         if progress:
             k3 = raw_mismatch(old_log_probs, rollout_log_probs)["raw_k3"]
             print(f"measure {batch_index + 1}/{args.batches} {setting_name(args)}: k3 {k3:.2e} reward "
                   f"{float(batch_rewards.mean()):.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr,
                   flush=True)
         yield batch, batch_rewards
+
+
+def batch_term(engine, prompts, responses, rollout_log_probs, max_new_tokens: int) -> dict:
+    """The same requests decoded again one at a time with the seeds ``engine.generate`` used, against the batched
+    decode (``batch_variance.compare_generations``): how far batch composition moves the engine's tokens and
+    log-probs."""
+    alone = [engine.generate_arriving([prompt], [seed], max_new_tokens, [0])
+             for prompt, seed in zip(prompts, engine.last_seeds)]
+    compared = compare_generations((responses, rollout_log_probs), ([a[0][0] for a in alone], [a[1][0] for a in alone]))
+    return {f"batch_term_{key}": value for key, value in compared.items()} | {"batch_term_responses": len(responses)}
 
 
 def mismatch_summary(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
@@ -177,7 +196,7 @@ def render(row: dict) -> str:
              "  k3 by position: " + "  ".join(f"[{start}, {end}) {value:.2e}" for start, end, value in _positions(row)),
              "  k3 by engine probability: " + "  ".join(f"{b['bucket']} {b['k3']:.2e} (n={b['tokens']})"
                                                        for b in row["by_rollout_prob"]),
-             *truncation_lines(row),
+             *truncation_lines(row), *batch_term_lines(row),
              "", "  config              kept tokens  kept seqs  bounded  ESS after"]
     for name, r in row["configs"].items():
         cells = [_pct(r["kept_token_fraction"]), _pct(r["kept_sequence_fraction"]), _pct(r["bounded_fraction"]),
@@ -185,6 +204,14 @@ def render(row: dict) -> str:
         lines.append(f"  {name:<18}  {cells[0]:>11}  {cells[1]:>9}  {cells[2]:>7}  {cells[3]:>9}")
     lines.append(f"  the analyzer recommends: {row['recommendation']}   ({row['seconds']:.0f} s)")
     return "\n".join(lines)
+
+
+def batch_term_lines(row: dict) -> list[str]:
+    if "batch_term_k3" not in row:
+        return []
+    return [f"  decoded one at a time instead of in this batch: {row['batch_term_identical_responses']}/"
+            f"{row['batch_term_responses']} responses identical; on the common prefixes ({row['batch_term_prefix_tokens']} "
+            f"tokens) max |Δ log p| {row['batch_term_max_abs']:.2e}, k3 {row['batch_term_k3']:.2e}"]
 
 
 def truncation_lines(row: dict) -> list[str]:
@@ -221,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, parser)
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    if args.batch_term and args.engine != "vllm":
+        raise ValueError("--batch-term decodes requests again one at a time, which only the vLLM engine does: use "
+                         "--engine vllm (the smollm2-135m model always runs on it)")
     row = measure(args)
     print(render(row))
     if args.json is not None:

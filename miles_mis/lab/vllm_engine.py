@@ -292,6 +292,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        self.last_seeds = seeds  # what generate_arriving needs to decode the same requests again
         params = [self._params(max_new_tokens, seed) for seed in seeds]
         with _random_state_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,

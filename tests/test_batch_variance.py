@@ -1,26 +1,13 @@
-"""benchmarks/lab_real_model.py compare_generations: identical responses and the common-prefix log-prob difference,
+"""miles_mis.lab.batch_variance.compare_generations: identical responses and the common-prefix log-prob difference,
 by hand."""
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _module():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("lab_real_model", REPO / "benchmarks" / "lab_real_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from miles_mis.lab.batch_variance import compare_generations as compare
 
 
 def test_common_prefix_by_hand():
-    compare = _module().compare_generations
     t = lambda *v: torch.tensor(v)  # noqa: E731
     f = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     reference = ([t(1, 2, 3), t(4, 5), t(7, 8, 9)], [f(-1.0, -2.0, -3.0), f(-0.5, -0.5), f(-1.0, -1.0, -1.0)])
