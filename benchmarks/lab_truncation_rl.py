@@ -71,7 +71,7 @@ def run(seeds: int, steps: int, top_ps: tuple[float, ...], out_dir: Path, result
               file=sys.stderr, flush=True)
         history, seconds, peak = train_child(argv, run_dir)
         row = {"top_p": top_p, "seed": seed, "mode": mode, "algorithm": algorithm, "steps": steps, "machine": MACHINE,
-               "seconds": seconds, "peak_rss_mib": peak, **{key: [r.get(key) for r in history] for key in SERIES}}
+               "run_seconds": seconds, "peak_rss_mib": peak, **{key: [r.get(key) for r in history] for key in SERIES}}
         append_result(results, row)
 
 

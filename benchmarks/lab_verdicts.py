@@ -156,7 +156,7 @@ def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) ->
               flush=True)
         history, seconds, peak = train_child(argv_of(regime, algorithm, seed, steps, config_path), folder)
         append_result(results, {"regime": regime, "algorithm": algorithm, "seed": seed, "steps": steps,
-                                "machine": here, "seconds": seconds, "peak_rss_mib": peak,
+                                "machine": here, "run_seconds": seconds, "peak_rss_mib": peak,
                                 **{key: [r.get(key) for r in history] for key in SERIES}})
 
 
