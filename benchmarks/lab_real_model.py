@@ -173,18 +173,14 @@ def variance_row(dtype: str) -> dict:
                         "k3": trainer["k3"]}}
 
 
-GENERATION_COMPOSITIONS = ("alone (batch of 1)", "in batches of 2", "in batches of 16",
-                           "32 of them arriving 8 decode steps after the other 32",
-                           "with 64 other requests arriving after 4 decode steps")
-
-
 def generation_row(dtype: str) -> dict:
     """The same 64 prompts with the same per-request seeds generated in one batch of 64 (the reference: the lab's
-    RL path) and in each of GENERATION_COMPOSITIONS; per composition the share of responses whose sampled tokens are
+    RL path) and in five other compositions (alone, in 2s, in 16s, in two waves, among 64 arriving others); per composition the share of responses whose sampled tokens are
     identical, and the difference of the log-probs the engine reports on the tokens before a response's first
     differing token (its common prefix with the reference)."""
     import torch
 
+    from miles_mis.lab.batch_variance import compare_generations, decode_in_batches
     from miles_mis.lab.policy import make_policy
     from miles_mis.lab.train import parse_args
 
@@ -199,12 +195,7 @@ def generation_row(dtype: str) -> dict:
     budget = policy.max_new_tokens
 
     def in_chunks(size: int):
-        tokens, log_probs = [], []
-        for i in range(0, 64, size):
-            t, lp = engine.generate_arriving(measured[i:i + size], seeds[i:i + size], budget, [0] * len(measured[i:i + size]))
-            tokens += t
-            log_probs += lp
-        return tokens, log_probs
+        return decode_in_batches(engine, measured, seeds[:64], budget, size)
 
     reference = in_chunks(64)
     runs = {"alone (batch of 1)": in_chunks(1), "in batches of 2": in_chunks(2), "in batches of 16": in_chunks(16)}
@@ -212,8 +203,6 @@ def generation_row(dtype: str) -> dict:
         measured, seeds[:64], budget, [0] * 32 + [8] * 32)
     tokens, log_probs = engine.generate_arriving(measured + others, seeds, budget, [0] * 64 + [4] * 64)
     runs["with 64 other requests arriving after 4 decode steps"] = (tokens[:64], log_probs[:64])
-    from miles_mis.lab.batch_variance import compare_generations
-
     rows = {name: compare_generations(reference, run) for name, run in runs.items()}
     return {"dtype": dtype, "responses": 64, "tokens": int(sum(len(t) for t in reference[0])), "rows": rows}
 

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import (append_result, left_here, machine, one_machine_per_seed, read_results,  # noqa: E402
-                       train_child)
+from lab_sweep import (UNRECORDED, append_result, by_machine, left_here, machine,  # noqa: E402
+                       one_machine_per_seed, read_results, train_child)
 
 from miles_mis.lab.evidence import last_mean, paired_difference  # noqa: E402
 
@@ -120,15 +120,10 @@ def cost_table(rows: list[dict]) -> str:
              "peak RSS MiB, no replay → replay |", "|---|---|---|---|---|---|"]
     for top_p in TOP_P:
         for algorithm in ALGORITHMS:
-            pairs = []
-            for base in rows:
-                if (base["top_p"], base["algorithm"], base["mode"]) != (top_p, algorithm, "processed, no replay"):
-                    continue
-                replay = next((r for r in rows if (r["top_p"], r["algorithm"], r["mode"], r["seed"]) ==
-                               (top_p, algorithm, "replay", base["seed"]) and r.get("machine")
-                               and r.get("machine") == base.get("machine")), None)
-                if replay is not None:
-                    pairs.append((base, replay))
+            pairs = [(group[("processed, no replay", algorithm)], group[("replay", algorithm)])
+                     for (tp, _, machine_name), group in by_machine(rows, SEED, CELL).items()
+                     if tp == top_p and machine_name != UNRECORDED
+                     and {("processed, no replay", algorithm), ("replay", algorithm)} <= group.keys()]
             if not pairs:
                 continue
             step = lambda r: statistics.median(r["seconds"][1:])  # noqa: E731

@@ -143,10 +143,10 @@ def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None
 
 
 def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) -> None:
-    cells_left = todo(regimes, seeds, steps, results)
-    print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, seeds, steps, results)}", file=sys.stderr,
-          flush=True)
     here = machine()
+    cells_left = todo(regimes, seeds, steps, results, here)
+    print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, cells_left, steps, read_results(results))}",
+          file=sys.stderr, flush=True)
     for count, (regime, seed, algorithm) in enumerate(cells_left, 1):
         folder = run_dir(out_dir, regime, algorithm, seed)
         folder.mkdir(parents=True, exist_ok=True)
@@ -166,9 +166,8 @@ def seconds_per_step(rows: list[dict], regime: str) -> float:
     return statistics.median(steps) if steps else REGIMES[regime][3]
 
 
-def budget_line(regimes, seeds: int | None, steps: int, results: Path) -> str:
-    rows = read_results(results)
-    left = todo(regimes, seeds, steps, results)
+def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: list[dict]) -> str:
+    """The CPU hours the runs ``left`` (``todo``) take, at the step times measured in ``rows``."""
     hours = sum(steps * seconds_per_step(rows, regime) + RUN_OVERHEAD_S for regime, _, _ in left) / 3600
     by_regime = {regime: sum(1 for r, _, _ in left if r == regime) for regime in regimes}
     parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items())
@@ -195,14 +194,15 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
     baseline = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, BASELINE).items()}
     lines = [f"| algorithm | seeds | first 10 | last 10 | Δ vs {BASELINE} [95 % CI] | steps to {LEVEL} | "
              "collapsed / stalled | raw k3 | outside clip, 1st minibatch | s / step |", "|" + "---|" * 10]
-    sentences, shown = [], 0
+    sentences, missing, shown = [], [], 0
     for algorithm in REGIMES[regime][1]:
         cell = _cell(rows, regime, algorithm)
-        if not cell:
-            continue
         scores = {s: last_mean(r["reward"]) for s, r in cell.items()}
         diff = paired_difference(scores, baseline)
         if algorithm != BASELINE and diff.n < 2:
+            missing.append(algorithm)
+            continue
+        if not cell:
             continue
         shown += 1
         reached = [steps_to_level(r["reward"], LEVEL) for r in cell.values()]
@@ -219,9 +219,6 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
             f"{_shown(_mean(_mean(r['seconds'][1:]) for r in cell.values()), '.1f')} |")
         if algorithm != BASELINE:
             sentences.append(verdict(algorithm, BASELINE, diff))
-    missing = [a for a in REGIMES[regime][1] if a != BASELINE and
-               paired_difference({s: 0.0 for s in _cell(rows, regime, a)},
-                                 {s: 0.0 for s in _cell(rows, regime, BASELINE)}).n < 2]
     if missing:
         sentences.append(f"not yet paired on 2 seeds (not shown): {', '.join(missing)}")
     return ("\n".join(lines) if shown else "(no runs yet)"), sentences
@@ -414,8 +411,8 @@ def main() -> None:
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
     args = parser.parse_args()
     if args.part == "budget":
-        print(f"{len(todo(args.regimes, args.seeds, args.steps, args.results))} runs to do; "
-              f"{budget_line(args.regimes, args.seeds, args.steps, args.results)}")
+        left = todo(args.regimes, args.seeds, args.steps, args.results)
+        print(f"{len(left)} runs to do; {budget_line(args.regimes, left, args.steps, read_results(args.results))}")
         return
     if args.part == "run":
         run(args.regimes, args.seeds, args.steps, args.out_dir, args.results)

@@ -24,3 +24,23 @@ def test_common_prefix_by_hand():
     assert row["k3"] == pytest.approx(float(expected), rel=1e-9)
     nothing = compare(([t(1)], [f(-1.0)]), ([t(2)], [f(-1.0)]))
     assert nothing == {"identical_responses": 0, "prefix_tokens": 0, "max_abs": 0.0, "mean_abs": 0.0, "k3": 0.0}
+
+
+class _Engine:
+    """generate_arriving that records each call and answers token = seed, log-prob = −seed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate_arriving(self, prompts, seeds, max_new_tokens, arrivals):
+        self.calls.append((len(prompts), list(arrivals)))
+        return [torch.tensor([s]) for s in seeds], [torch.tensor([-float(s)]) for s in seeds]
+
+
+def test_decode_in_batches_keeps_order_and_seeds():
+    from miles_mis.lab.batch_variance import decode_in_batches
+
+    engine = _Engine()
+    tokens, log_probs = decode_in_batches(engine, [torch.tensor([0])] * 5, [10, 11, 12, 13, 14], 4, 2)
+    assert [int(t) for t in tokens] == [10, 11, 12, 13, 14] and [float(lp) for lp in log_probs] == [-10, -11, -12, -13, -14]
+    assert engine.calls == [(2, [0, 0]), (2, [0, 0]), (1, [0])]

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 CURVE = Path(__file__).with_name("safe_mismatch.json")
-DOCS = "docs/lab.md#what-mismatch-is-safe"
 
 
 def load(path: Path | None = None) -> dict | None:

@@ -9,6 +9,19 @@ from torch import Tensor
 from ..analyze.estimators import k3_terms
 
 
+def decode_in_batches(engine, prompts: list[Tensor], seeds: list[int], max_new_tokens: int,
+                      size: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The requests decoded ``size`` at a time, each with its own seed (``VllmEngine.generate_arriving``, every
+    request of a batch arriving together): (tokens, log-probs) per request, in order."""
+    tokens, log_probs = [], []
+    for start in range(0, len(prompts), size):
+        chunk = slice(start, start + size)
+        t, lp = engine.generate_arriving(prompts[chunk], seeds[chunk], max_new_tokens, [0] * len(prompts[chunk]))
+        tokens += t
+        log_probs += lp
+    return tokens, log_probs
+
+
 def compare_generations(reference: tuple[list[Tensor], list[Tensor]], other: tuple[list[Tensor], list[Tensor]]) -> dict:
     """Two generations of the same requests, each (tokens, log-probs) per request: how many responses are identical,
     and the log-prob difference d = reference − other on each response's common prefix (its tokens before the first

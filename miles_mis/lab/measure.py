@@ -31,7 +31,7 @@ import torch
 
 from .. import compute_mis_weights
 from ..config import MisConfig, preset_files
-from .batch_variance import compare_generations
+from .batch_variance import compare_generations, decode_in_batches
 from .dump import PolicyLossDumper, policy_loss_record
 from .train import build_parser as train_parser
 from .kept_set import KeptSets
@@ -152,9 +152,8 @@ def batch_term(engine, prompts, responses, rollout_log_probs, max_new_tokens: in
     """The same requests decoded again one at a time with the seeds ``engine.generate`` used, against the batched
     decode (``batch_variance.compare_generations``): how far batch composition moves the engine's tokens and
     log-probs."""
-    alone = [engine.generate_arriving([prompt], [seed], max_new_tokens, [0])
-             for prompt, seed in zip(prompts, engine.last_seeds)]
-    compared = compare_generations((responses, rollout_log_probs), ([a[0][0] for a in alone], [a[1][0] for a in alone]))
+    alone = decode_in_batches(engine, list(prompts), engine.last_seeds, max_new_tokens, 1)
+    compared = compare_generations((responses, rollout_log_probs), alone)
     return {f"batch_term_{key}": value for key, value in compared.items()} | {"batch_term_responses": len(responses)}
 
 
