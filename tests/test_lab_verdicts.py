@@ -152,6 +152,33 @@ def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):
     assert sorted((r["seed"], r["machine"]) for r in chosen) == [(0, "A"), (0, "A"), (0, "A"), (1, "A")]
 
 
+def test_a_seed_continues_where_its_first_rollout_is_reproduced(verdicts, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from lab_sweep import append_result, one_machine_per_seed
+
+    results = tmp_path / "rows.jsonl"
+    same, other = {"reward": [0.25, 0.5], "raw_k3": [1.25e-3, 1e-3]}, {"reward": [0.25, 0.5], "raw_k3": [1.5e-3, 1e-3]}
+    append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "standard", "steps": 40, "machine": "A", **same})
+    # a machine with no row of seed 0 assumes it reproduces A's first rollout: standard is not run again
+    assert verdicts.todo(["fp32"], 1, 40, results, here="C") == [("fp32", 0, "bypass"), ("fp32", 0, "decoupled_tis")]
+    append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "bypass", "steps": 40, "machine": "C", **same})
+    assert verdicts.todo(["fp32"], 1, 40, results, here="C") == [("fp32", 0, "decoupled_tis")]
+    # D's kernels give another first rollout: once its first run shows it, the seed runs whole there
+    append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "bypass", "steps": 40, "machine": "D", **other})
+    assert verdicts.todo(["fp32"], 1, 40, results, here="D") == [("fp32", 0, "standard"), ("fp32", 0, "decoupled_tis")]
+    assert verdicts.todo(["fp32"], 1, 40, results, here="C") == [("fp32", 0, "decoupled_tis")]
+    append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "decoupled_tis", "steps": 40, "machine": "C",
+                            **same})
+    assert verdicts.todo(["fp32"], 1, 40, results, here="D") == []  # A and C hold seed 0 whole
+    rows = verdicts.read_results(results)
+    chosen = one_machine_per_seed(rows, verdicts.SEED, verdicts.CELL, verdicts.first_rollout)
+    assert sorted((r["algorithm"], r["machine"]) for r in chosen) == [("bypass", "C"), ("decoupled_tis", "C"),
+                                                                       ("standard", "A")]
+    assert verdicts.mixed_first_rollouts(rows) == []
+    append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "standard", "steps": 40, "machine": "C", **other})
+    assert verdicts.mixed_first_rollouts(verdicts.read_results(results)) == ["fp32 seed 0 on C: 2 first rollouts"]
+
+
 def test_mechanism_lines_by_hand(verdicts):
     rows = []
     for seed in range(2):
