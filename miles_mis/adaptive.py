@@ -39,13 +39,14 @@ def candidates(bounds: tuple[float, float], device=None) -> Tensor:
     return edges.float().to(device)
 
 
-def histogram(ratio: Tensor, count: Tensor, edges: Tensor) -> Tensor:
+def histogram(ratio: Tensor, count: Tensor, edges: Tensor, compared: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """float64 [HISTOGRAM_SIZE]: per bin the weight Σ n, Σ n·ρ and Σ n·ρ², laid out as three blocks.
 
     Bin 0 holds ρ ≤ edges[0], bin b holds edges[b−1] < ρ ≤ edges[b], bin NUM_EDGES holds ρ > edges[−1];
-    ``count`` is n per entry (0/1 per token, or passing tokens per sequence).
+    ``count`` is n per entry (0/1 per token, or passing tokens per sequence). ``compared``: (values, edges) the bins
+    are found by instead: the tokens' (ℓ, ln edges) (``ops.log_bounds``), the same bins on every backend.
     """
-    bins = torch.bucketize(ratio, edges)
+    bins = torch.bucketize(ratio, edges) if compared is None else torch.bucketize(*compared)
     count = count.double()
     weighted = count * ratio.double()
     parts = [torch.bincount(bins, weights=w, minlength=NUM_EDGES + 1) for w in (count, weighted, weighted * ratio)]

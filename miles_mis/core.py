@@ -41,7 +41,8 @@ _NO_TOKEN = 3.0e38  # min-column value of a sequence without a passing token (we
 
 
 # --------------------------------------------------------------------------- bounding (one place)
-def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple[Tensor, Tensor | None]:
+def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float,
+                  compared: tuple | None = None) -> tuple[Tensor, Tensor | None]:
     """Apply an IS mode to ratios ρ (per token or per sequence). Returns (weight, rejected 0/1 or None when
     the mode rejects nothing).
 
@@ -49,13 +50,17 @@ def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple
     clip:     w = clamp(ρ, L, U)                rejected = ∅
     mask:     w = ρ                             rejected = {ρ ∉ [L, U]}
     icepop:   w = ρ·1[L ≤ ρ ≤ U]                rejected = ∅ (the mask is unchanged)
+
+    ``compared``: (values, lower, upper) the decision ρ ∉ [L, U] is taken on instead of (ρ, L, U): at token level
+    (ℓ, ln L, ln U) (``ops.log_bound``), so that it does not depend on a kernel's exp.
     """
     if mode == "truncate":
         return ratio.clamp(max=upper), None
     if mode == "clip":  # (a per-lag upper bound is a tensor; clamp takes two numbers or two tensors)
         return (ratio.clamp(lower, upper) if not isinstance(upper, Tensor)
                 else ratio.clamp(min=lower).clamp_(max=upper)), None
-    outside = indicator(torch.lt, ratio, lower).add_(indicator(torch.gt, ratio, upper))  # disjoint: 0/1
+    values, low, high = (ratio, lower, upper) if compared is None else compared
+    outside = indicator(torch.lt, values, low).add_(indicator(torch.gt, values, high))  # disjoint: 0/1
     if mode == "mask":
         return ratio, outside
     if mode == "icepop":
@@ -65,7 +70,8 @@ def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float) -> tuple
 
 def bound_fraction_metrics(prefix: str, mode: str, ratio: Tensor, lower: float, upper: float) -> dict[str, Tensor]:
     """Indicator metrics of a bounding stage: ``{prefix}truncate_fraction`` for truncate (ρ > U),
-    ``{prefix}{mode}_fraction_low`` (ρ < L) and ``_high`` (ρ > U) for the other modes."""
+    ``{prefix}{mode}_fraction_low`` (ρ < L) and ``_high`` (ρ > U) for the other modes. At token level ``ratio`` is
+    ℓ and the bounds are ``ops.log_bound``'s: the tokens the token stages rejected, on every backend."""
     high = indicator(torch.gt, ratio, upper)
     if mode == "truncate":
         return {f"{prefix}truncate_fraction": high}
@@ -90,12 +96,14 @@ class TokenTerms:
     estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
     divergence_kept: dict  # token option -> 0/1 kept by that option
     upper: float | Tensor  # the token weights' upper bound: a number, [N] per-lag bounds, or the adaptive 0-d one
+    log_upper: float | Tensor  # its ops.log_bound: what ℓ_t is compared with (ρ_t > U ⟺ ℓ_t > log_upper)
     moving_out: Tensor | None = None  # 0/1 A_t·ℓ_t > 0 (divergence.moving_out), with a directional option only
 
     def bounded(self, upper: Tensor) -> "TokenTerms":
         """These terms with the token weights truncated at ``upper`` (the adaptive bound, known only once the
         histogram of every rank's ratios has been combined)."""
-        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper), upper=upper)
+        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper), upper=upper,
+                                   log_upper=ops.log_bounds(upper))
 
     @property
     def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf or a fill value (|log p| ≥ LOG_PROB_BOUND)
@@ -126,14 +134,17 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
 
     token_pass = usable
     token_weight = token_ratio
-    upper = token_upper_bound(batch, config)
+    upper, log_upper = token_upper_bound(batch, config)
     if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
-        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound, upper)
+        # decisions on ℓ against ln L, ln U (ops.log_bound): the same on every backend, whatever its exp
+        compared = (log_ratio, ops.log_bound(config.tis_lower_bound) if config.tis_mode in ("mask", "icepop") else 0.0,
+                    log_upper)
+        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound, upper, compared)
         if rejected is not None:  # mask mode (the others reject nothing)
             token_pass = token_pass * (1.0 - rejected)
-    if config.use_rs and config.rs_level == "token":
-        token_pass = (indicator(torch.ge, token_ratio, config.rs_lower_bound)
-                      .mul_(indicator(torch.le, token_ratio, config.rs_upper_bound)).mul_(token_pass))
+    if config.use_rs and config.rs_level == "token":  # L_rs ≤ ρ ≤ U_rs, in log space
+        token_pass = (indicator(torch.ge, log_ratio, ops.log_bound(config.rs_lower_bound))
+                      .mul_(indicator(torch.le, log_ratio, ops.log_bound(config.rs_upper_bound))).mul_(token_pass))
     estimators, kept, out = {}, {}, None
     if config.rs_divergence:
         needed = divergence.needed_estimators(config.rs_divergence)
@@ -149,16 +160,19 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
         for keep in kept.values():
             token_pass = token_pass * keep
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
-                      token_weight, estimators, kept, upper, out)
+                      token_weight, estimators, kept, upper, log_upper, out)
 
 
-def token_upper_bound(batch: PackedBatch, config: MisConfig) -> float | Tensor:
-    """The token weights' fixed upper bound: ``tis_upper_bound``, or with ``tis_upper_bound_by_lag`` each token's
-    sequence's per-lag bound ([N], ``staleness.seq_upper_bounds``)."""
+def token_upper_bound(batch: PackedBatch, config: MisConfig) -> tuple[float | Tensor, float | Tensor]:
+    """The token weights' fixed upper bound and its ``ops.log_bound``: ``tis_upper_bound``, or with
+    ``tis_upper_bound_by_lag`` each token's sequence's per-lag bound ([N], ``staleness.seq_upper_bounds``)."""
+    if config.adaptive_bound:  # chosen later (bound_token_terms); nothing is compared with it before
+        return config.tis_upper_bound, math.inf
     if config.tis_upper_bound_by_lag is None or config.tis_level != "token" or not config.use_tis:
-        return config.tis_upper_bound
+        return config.tis_upper_bound, ops.log_bound(config.tis_upper_bound)
     lags = staleness.lags_for(config, batch.lags)
-    return staleness.seq_upper_bounds(config, lags, batch.seq_index.device).index_select(0, batch.seq_index)
+    bounds = staleness.seq_upper_bounds(config, lags, batch.seq_index.device)
+    return (bounds.index_select(0, batch.seq_index), ops.log_bounds(bounds).index_select(0, batch.seq_index))
 
 
 def rejects_tokens(config: MisConfig) -> bool:
@@ -205,10 +219,10 @@ def _counts_bounded(config: MisConfig, has_lags: bool) -> bool:
 def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
     """[N] float64 0/1: usable tokens whose ratio is outside the token bound (ρ > U for truncate; ρ ∉ [L, U] else);
     float64 already, as the per-sequence sum takes it (one pass fewer than a float32 indicator)."""
-    ratio = terms.token_ratio
-    outside = torch.gt(ratio, terms.upper, out=torch.empty_like(ratio, dtype=torch.float64))
+    ell = terms.log_ratio  # ρ > U ⟺ ℓ > ln U (ops.log_bound)
+    outside = torch.gt(ell, terms.log_upper, out=torch.empty_like(ell, dtype=torch.float64))
     if config.tis_mode != "truncate":
-        outside.add_(torch.lt(ratio, config.tis_lower_bound, out=torch.empty_like(outside)))
+        outside.add_(torch.lt(ell, ops.log_bound(config.tis_lower_bound), out=torch.empty_like(outside)))
     # a token that is not usable has ρ = 1: outside the bound only when 1 is (a bound below 1, a lower one above)
     lowest = min(config.tis_upper_bound_by_lag or (config.tis_upper_bound,)) if not config.adaptive_bound else 1.0
     if lowest < 1.0 or (config.tis_mode != "truncate" and config.tis_lower_bound > 1.0):
@@ -345,7 +359,8 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
                         truncation.local_values(terms.log_ratio, terms.usable, batch.mask_sizes)])
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
-        values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges)])
+        values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges,
+                                                       (terms.log_ratio, ops.log_bounds(edges)))])
     return values
 
 
@@ -523,10 +538,10 @@ def bound_at_tis_level(state: FinalizeState) -> None:
     if config.tis_level == "token":
         if config.adaptive_bound and state.bound is None:
             raise ValueError("tis_upper_bound: auto at token level: pass the bound bound_token_terms chose")
-        upper = state.bound.upper if config.adaptive_bound else terms.upper
+        lower = ops.log_bound(config.tis_lower_bound) if config.tis_mode != "truncate" else 0.0
         state.token_metrics["tis_weight_before_bound"] = terms.token_ratio
-        state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.token_ratio,
-                                                          config.tis_lower_bound, upper))
+        state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.log_ratio, lower,
+                                                          terms.log_upper))
         state.token_metrics["tis_weight_after_bound"] = terms.token_weight
         return
     state.seq_ratio = _clamped_exp(level_log_ratio(state.stats, config.tis_level))
@@ -552,8 +567,9 @@ def reject_outside_rs_bounds(state: FinalizeState) -> None:
     if not config.use_rs:
         return
     if config.rs_level == "token":
-        state.token_metrics.update(bound_fraction_metrics("rs_", "mask", state.terms.token_ratio,
-                                                          config.rs_lower_bound, config.rs_upper_bound))
+        state.token_metrics.update(bound_fraction_metrics("rs_", "mask", state.terms.log_ratio,
+                                                          ops.log_bound(config.rs_lower_bound),
+                                                          ops.log_bound(config.rs_upper_bound)))
         return
     rs_ratio = _clamped_exp(level_log_ratio(state.stats, config.rs_level))
     state.seq_values.update(bound_fraction_metrics("rs_", "mask", rs_ratio,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,31 @@ def k3(exp_argument: Tensor, log_ratio: Tensor) -> Tensor:
     below 1e-9 for every |ℓ| ≥ 1e-7 (benchmarks/bench_precision.py). The max only guards rounding at ℓ ≈ 0.
     """
     return torch.expm1(exp_argument.double()).sub_(log_ratio.double()).clamp_(min=0.0)
+
+
+def log_bound(bound: float) -> float:
+    """A ratio bound B as the log-ratio threshold token decisions compare with: ln B rounded to float32, −inf below
+    −LOG_RATIO_CLAMP and +inf above +LOG_RATIO_CLAMP, so that for a float32 log ratio ℓ (unclamped)
+
+        ρ = e^{clamp(ℓ)} > U  ⟺  ℓ > log_bound(U),      ρ < L  ⟺  ℓ < log_bound(L)
+
+    (ρ never leaves [e^−20, e^20], so a bound beyond it is never crossed). Why: a decision taken on ℓ, which every
+    kernel computes exactly (a subtraction), does not depend on how a kernel rounds exp (inductor's exp, CUDA's and
+    eager CPU's differ by an ulp on a few % of tokens), so every backend and device rejects the same tokens. The
+    float32 rounding makes the threshold a value ℓ can equal, compared alike by every kernel."""
+    value = math.log(bound)
+    if value >= LOG_RATIO_CLAMP:
+        return math.inf
+    if value <= -LOG_RATIO_CLAMP:
+        return -math.inf
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def log_bounds(bounds: Tensor) -> Tensor:
+    """``log_bound`` of each bound of a float tensor (per-lag bounds), float32."""
+    values = torch.log(bounds.double())
+    values = torch.where(values >= LOG_RATIO_CLAMP, math.inf, torch.where(values <= -LOG_RATIO_CLAMP, -math.inf, values))
+    return values.float()
 
 
 def to_float32_log_probs(values: Tensor) -> Tensor:
