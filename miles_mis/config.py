@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import backend as _backend
 from .gate import STATISTICS as GATE_STATISTICS
 
 LEVELS = ("token", "sequence", "geometric")
@@ -405,6 +406,10 @@ KEY_SPECS = (
     KeySpec("rs_max_lag_k3", "fraction", None, "the staleness gate: with `rs_max_lag`, the sequences of a lag "
             "beyond it are rejected only when that lag's k3 over the micro-batch exceeds this; null = always "
             "(the fixed drop)", maximum=math.inf, parser=_as_optional_positive, allowed="null or a number > 0"),
+    KeySpec("kernel_backend", "choice", "eager", "how the core's per-token kernels run: `compiled` = through torch.compile "
+            "(inductor), eager without a working compiler (one warning line); the environment variable "
+            "`MILES_MIS_BACKEND` sets it where the config does not ([performance](performance.md#the-compiled-backend))",
+            choices=_backend.BACKENDS),
 )
 KEY_NAMES = tuple(spec.name for spec in KEY_SPECS)
 KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
@@ -413,7 +418,7 @@ KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
 PARSE_ORDER = ("use_tis", "use_rs", "tis_batch_normalize", "tis_level", "rs_level", "tis_mode",
                "tis_batch_normalize_scope", "tis_bounds", "rs_divergence", "rs_batch_gate", "rs_batch_gate_scope",
                "metrics_low_prob_threshold", "rs_veto_threshold", "tis_auto_target_ess", "tis_auto_bounds",
-               "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3")
+               "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3", "kernel_backend")
 # The bounds tis_bounds sets: giving one of them with tis_bounds is an error, even at its default's value.
 ALIASED_BOUNDS = ("tis_lower_bound", "tis_upper_bound")
 ADAPTIVE_KEYS = tuple(name for name in KEY_NAMES if name.startswith("tis_auto_"))
@@ -502,9 +507,17 @@ class MisConfig:
     @classmethod
     def _build(cls, values: Mapping[str, Any], source: str | None) -> "MisConfig":
         """``cls(**values)`` (known keys only), its error prefixed with ``SOURCE: `` when a source is named: the
-        one place every constructor checks the values, so that a mapping, a file and a Namespace agree."""
+        one place every constructor checks the values, so that a mapping, a file and a Namespace agree. A config
+        that does not set ``kernel_backend`` takes ``MILES_MIS_BACKEND`` when it is set, checked like the key."""
+        values = dict(values)
+        from_environment = _backend.environment_default()
+        if values.get("kernel_backend") is None and from_environment is not None:
+            if from_environment not in _backend.BACKENDS:
+                raise ValueError(f"{_backend.ENVIRONMENT}={from_environment!r} is invalid: allowed values are "
+                                 f"{', '.join(_backend.BACKENDS)}")
+            values["kernel_backend"] = from_environment
         try:
-            return cls(**dict(values))
+            return cls(**values)
         except ValueError as error:
             if source is None:
                 raise

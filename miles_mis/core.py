@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import adaptive, divergence, gate, location, staleness, truncation
+from . import adaptive, backend, divergence, gate, location, staleness, truncation
 from .config import MisConfig
 from . import ops
 from .ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP, indicator
@@ -110,7 +110,34 @@ class TokenTerms:
         return self.valid - self.usable
 
 
+class TokenBounds(NamedTuple):
+    """The ratio bounds of the token stage and the log-ratio thresholds its decisions compare ℓ with
+    (``ops.log_bound``), computed before the kernel (eagerly on either backend: the thresholds are then the same
+    numbers whatever runs the kernel)."""
+
+    upper: float | Tensor  # the token weights' upper bound (token_upper_bound)
+    log_upper: float | Tensor
+    log_lower: float  # ln tis_lower_bound (mask and icepop modes; 0.0 when unused)
+    rs_log_lower: float  # ln rs_lower_bound, ln rs_upper_bound (token RS; 0.0 when unused)
+    rs_log_upper: float
+
+
+def token_bounds(batch: PackedBatch, config: MisConfig) -> TokenBounds:
+    upper, log_upper = token_upper_bound(batch, config)
+    token_rs = config.use_rs and config.rs_level == "token"
+    return TokenBounds(upper, log_upper,
+                       ops.log_bound(config.tis_lower_bound) if config.tis_mode in ("mask", "icepop") else 0.0,
+                       ops.log_bound(config.rs_lower_bound) if token_rs else 0.0,
+                       ops.log_bound(config.rs_upper_bound) if token_rs else 0.0)
+
+
 def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
+    """Stage 1: every per-token quantity of this rank's tokens (``token_kernel``), on ``config.kernel_backend``."""
+    return backend.call(token_kernel, config.kernel_backend, batch, config, token_bounds(batch, config))
+
+
+def token_kernel(batch: PackedBatch, config: MisConfig, bounds: TokenBounds) -> TokenTerms:
+    """``token_terms``' body: elementwise passes over the tokens, which the compiled backend fuses."""
     valid = indicator(torch.ne, batch.loss_mask, 0)
     diff = batch.train_log_probs - batch.rollout_log_probs
     # usable: both |log p| < bound; NaN propagates through maximum and compares false, so NaN, ±inf and
@@ -134,17 +161,15 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
 
     token_pass = usable
     token_weight = token_ratio
-    upper, log_upper = token_upper_bound(batch, config)
     if config.tis_level == "token" and not config.adaptive_bound:  # adaptive: bounded later (TokenTerms.bounded)
         # decisions on ℓ against ln L, ln U (ops.log_bound): the same on every backend, whatever its exp
-        compared = (log_ratio, ops.log_bound(config.tis_lower_bound) if config.tis_mode in ("mask", "icepop") else 0.0,
-                    log_upper)
-        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound, upper, compared)
+        token_weight, rejected = bound_weights(token_ratio, config.tis_mode, config.tis_lower_bound, bounds.upper,
+                                               (log_ratio, bounds.log_lower, bounds.log_upper))
         if rejected is not None:  # mask mode (the others reject nothing)
             token_pass = token_pass * (1.0 - rejected)
     if config.use_rs and config.rs_level == "token":  # L_rs ≤ ρ ≤ U_rs, in log space
-        token_pass = (indicator(torch.ge, log_ratio, ops.log_bound(config.rs_lower_bound))
-                      .mul_(indicator(torch.le, log_ratio, ops.log_bound(config.rs_upper_bound))).mul_(token_pass))
+        token_pass = (indicator(torch.ge, log_ratio, bounds.rs_log_lower)
+                      .mul_(indicator(torch.le, log_ratio, bounds.rs_log_upper)).mul_(token_pass))
     estimators, kept, out = {}, {}, None
     if config.rs_divergence:
         needed = divergence.needed_estimators(config.rs_divergence)
@@ -160,7 +185,7 @@ def token_terms(batch: PackedBatch, config: MisConfig) -> TokenTerms:
         for keep in kept.values():
             token_pass = token_pass * keep
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
-                      token_weight, estimators, kept, upper, log_upper, out)
+                      token_weight, estimators, kept, bounds.upper, bounds.log_upper, out)
 
 
 def token_upper_bound(batch: PackedBatch, config: MisConfig) -> tuple[float | Tensor, float | Tensor]:
@@ -230,6 +255,17 @@ def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
     return outside
 
 
+def seq_table_values(terms: TokenTerms) -> tuple[Tensor, ...]:
+    """The [N] values ``local_seq_stats`` reduces: the SUM_COLUMNS' summands in float64 (in that order), the kept
+    weight w_t·pass_t (float32), and the inputs of the max and min columns (w_t over passing tokens, −1 / 3e38
+    elsewhere): one fused pass on the compiled backend."""
+    weight = terms.token_weight * terms.token_pass
+    summands = (terms.valid, terms.usable, terms.train_log_probs, terms.log_ratio, terms.k3, terms.chi2,
+                terms.catastrophic, terms.token_pass, weight, weight * terms.token_weight)
+    not_passing = 1.0 - terms.token_pass
+    return (*(value.double() for value in summands), weight, weight - not_passing, not_passing * _NO_TOKEN + weight)
+
+
 def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | None = None) -> Tensor:
     """[B, num_columns(config)] float64 table of this rank's per-sequence statistics (sums accumulated in
     float64, PackedBatch.per_seq_sum).
@@ -239,20 +275,13 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
     [0, e^20]).
     Derived, not summed: n_nonfinite = n_valid − n_usable, Σ log π_rollout = Σ log π_train − Σ ℓ.
     """
-    weight = terms.token_weight * terms.token_pass
-    values = {
-        "n_valid": terms.valid, "n_usable": terms.usable,
-        "sum_train_log_prob": terms.train_log_probs, "sum_log_ratio": terms.log_ratio,
-        "sum_k3": terms.k3,
-        "sum_chi2": terms.chi2,
-        "n_catastrophic": terms.catastrophic, "n_token_pass": terms.token_pass,
-        "sum_token_weight": weight, "sum_token_weight_sq": weight * terms.token_weight,
-    }
-    # one sparse mat-vec per column: no [N, K] buffer is materialised (memory traffic dominates on CPU)
-    columns = [batch.per_seq_sum(values[name]) for name in SUM_COLUMNS]
-    not_passing = 1.0 - terms.token_pass
-    columns.append(batch.per_seq_extreme(weight - not_passing, "amax", -1.0).double())
-    columns.append(batch.per_seq_extreme(not_passing.mul_(_NO_TOKEN).add_(weight), "amin", _NO_TOKEN).double())
+    *values, weight, max_input, min_input = backend.call(seq_table_values, config.kernel_backend if config else
+                                                         "eager", terms)
+    # one sparse mat-vec per column (the same reduction on either backend): no [N, K] buffer is materialised
+    # (memory traffic dominates on CPU)
+    columns = [batch.per_seq_sum(value) for value in values]
+    columns.append(batch.per_seq_extreme(max_input, "amax", -1.0).double())
+    columns.append(batch.per_seq_extreme(min_input, "amin", _NO_TOKEN).double())
     bounded = (batch.per_seq_sum(bounded_tokens(terms, config))
                if config is not None and _counts_bounded(config, batch.lags is not None) else None)
     if config is not None and config.rs_divergence:
@@ -353,15 +382,25 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
     then, with an adaptive
     token-level bound, the histogram of the passing tokens' ratios (miles_mis.adaptive). Combined over CP ranks
     with ``combine_batch_values`` (it travels in the agreement header)."""
-    values = torch.cat([location.local_values(terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
-                                              config.metrics_low_prob_threshold,
+    k3, usable, low_and_max, truncation_values = backend.call(
+        batch_value_kernel, config.kernel_backend, terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
+        config.metrics_low_prob_threshold, batch.mask_sizes)
+    values = torch.cat([location.local_values(k3, usable, low_and_max,
                                               lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES)),
-                        truncation.local_values(terms.log_ratio, terms.usable, batch.mask_sizes)])
+                        truncation_values])
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.tis_auto_bounds, terms.token_ratio.device)
         values = torch.cat([values, adaptive.histogram(terms.token_ratio, terms.token_pass, edges,
                                                        (terms.log_ratio, ops.log_bounds(edges)))])
     return values
+
+
+def batch_value_kernel(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
+                       low_prob_threshold: float, mask_sizes: Tensor | None) -> tuple[Tensor, ...]:
+    """The per-token passes of ``local_batch_values``: ``location.token_values`` and ``truncation.local_values``,
+    one fused kernel on the compiled backend (the position-bucket sums, sparse mat-vecs, stay outside it)."""
+    return (*location.token_values(k3, usable, log_ratio, rollout_log_probs, low_prob_threshold),
+            truncation.local_values(log_ratio, usable, mask_sizes))
 
 
 def combine_batch_values(per_rank: Tensor) -> Tensor:

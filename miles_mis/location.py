@@ -35,25 +35,29 @@ NAMES = SUM_NAMES + MAX_NAMES
 INDEX = {name: i for i, name in enumerate(NAMES)}
 
 
-def local_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
-                 low_prob_threshold: float, bucket_sum: Callable[[Tensor], Tensor]) -> Tensor:
-    """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens.
-
-    ``k3`` and ``log_ratio`` are 0 where not usable (so sums of them need no mask). Seven passes over the
-    tokens: the first token is position bucket 0, and the usable count is the buckets' total.
-    ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by response-position bucket (POSITION_EDGES), e.g.
-    ``PackedBatch.per_bucket_sum``.
-    """
-    k3, usable = k3.double(), usable.double()  # float64 sums: CP ranks' partial sums add up to cp = 1's
-    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
+def token_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
+                 low_prob_threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-token part of ``local_values``: k3 and the usable indicator in float64 (float64 sums: CP ranks'
+    partial sums add up to cp = 1's), and [Σ_{p < θ} k3_t, #{usable t: p_t < θ}, max |ℓ_t|] (float64): one fused
+    pass on the compiled backend. ``k3`` and ``log_ratio`` are 0 where not usable (sums of them need no mask)."""
+    k3, usable = k3.double(), usable.double()
+    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold)).double()
     if log_ratio.numel():
         smallest, largest = torch.aminmax(log_ratio)
         largest = torch.maximum(largest, -smallest)
     else:
         largest = log_ratio.new_zeros(())
-    # the usable count is the sum of the bucket counts
-    sums = torch.cat([torch.stack([torch.dot(k3, low), torch.dot(usable, low)]), bucket_sum(k3), bucket_sum(usable)])
-    return torch.cat([sums, sums[-len(BUCKET_NAMES):].sum().reshape(1), largest.double().reshape(1)])
+    return k3, usable, torch.stack([torch.dot(k3, low), torch.dot(usable, low), largest.double()])
+
+
+def local_values(k3: Tensor, usable: Tensor, low_and_max: Tensor, bucket_sum: Callable[[Tensor], Tensor]) -> Tensor:
+    """This rank's float64 vector [len(NAMES)] of sums (and the max |ℓ|) over its tokens, from ``token_values``'
+    three results. The first token is position bucket 0, and the usable count is the buckets' total.
+    ``bucket_sum``: [N] -> [len(BUCKET_NAMES)] sums by response-position bucket (POSITION_EDGES), e.g.
+    ``PackedBatch.per_bucket_sum``.
+    """
+    sums = torch.cat([low_and_max[:2], bucket_sum(k3), bucket_sum(usable)])
+    return torch.cat([sums, sums[-len(BUCKET_NAMES):].sum().reshape(1), low_and_max[2:]])
 
 
 def combine(per_rank: Tensor) -> Tensor:

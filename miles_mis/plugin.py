@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, core, distributed, peers, sampling_mask, staleness, versions
+from . import advantages, backend, core, distributed, peers, sampling_mask, staleness, versions
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -256,8 +256,10 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
 def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False) -> str:
     """The effective settings of a call as "key=value" lines: compared across ranks (fingerprint) and shown
     key by key when they differ. Whether the host passed lags (they change the table's width) and sampling masks
-    (they add metrics) is part of it: every rank of a group must agree on them."""
-    values = dict(config.to_dict(), qkv_format=qkv_format, version_lags="given" if has_lags else "none",
+    (they add metrics) is part of it: every rank of a group must agree on them, and so on the kernel backend each
+    rank actually runs (``backend.effective``: eager where a compiler is missing)."""
+    values = dict(config.to_dict(), kernel_backend=backend.effective(config.kernel_backend), qkv_format=qkv_format,
+                  version_lags="given" if has_lags else "none",
                   sampling_masks="given" if has_mask_sizes else "none")
     return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
 

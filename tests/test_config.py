@@ -255,6 +255,7 @@ VALID_SETTINGS = [
      'tis_upper_bound_by_lag: [2.0, 1.5, "1.2"]'),
     ("rs_max_lag", {"rs_max_lag": 2}, "rs_max_lag: 2"),
     ("rs_max_lag_k3", {"rs_max_lag": 0, "rs_max_lag_k3": "1e-3"}, "rs_max_lag: 0\nrs_max_lag_k3: 1e-3"),
+    ("kernel_backend", {"kernel_backend": "compiled"}, "kernel_backend: compiled"),
 ]
 INVALID_SETTINGS = [
     ("use_tis", {"use_tis": "yes"}, "use_tis: 'yes'"),
@@ -296,6 +297,7 @@ INVALID_SETTINGS = [
     ("rs_max_lag", {"rs_max_lag": -1}, "rs_max_lag: -1"),
     ("rs_max_lag_k3", {"rs_max_lag_k3": 0.01}, "rs_max_lag_k3: 0.01"),  # without rs_max_lag
     ("rs_max_lag_k3", {"rs_max_lag": 1, "rs_max_lag_k3": 0}, "rs_max_lag: 1\nrs_max_lag_k3: 0"),
+    ("kernel_backend", {"kernel_backend": "inductor"}, "kernel_backend: inductor"),
 ]
 
 
