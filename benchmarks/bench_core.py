@@ -39,7 +39,12 @@ With ``--device DEV``, instead: the list and packed entry points and the padded 
 events on a GPU), and the kernel launches, host syncs and aten operations of one call (the torch profiler;
 benchmarks/device_timing.py); ``--json FILE`` writes them (benchmarks/gpu_check.sh).
 
-    python benchmarks/bench_core.py [--repeats 15] [--lags | --trust-regions | --device cuda [--json F] [--quick]]
+With ``--backends``, instead: eager against the compiled backend (``kernel_backend: compiled``): the first call's
+compile time, the list and packed entry points at the four shapes, each costly option's share of a default call on
+both backends, recompiles over the shapes, and the aten operations left outside the compiled kernels.
+
+    python benchmarks/bench_core.py [--repeats 15] [--lags | --trust-regions | --backends |
+                                     --device cuda [--json F] [--quick]]
 """
 
 from __future__ import annotations
@@ -480,13 +485,101 @@ def trust_region_costs(repeats: int) -> None:
 SHAPES = [(64, 512), (256, 1024), (1024, 128), (4096, 64)]
 
 
+def _compiled(config: MisConfig) -> MisConfig:
+    return MisConfig(**dict(config.to_dict(), kernel_backend="compiled"))
+
+
+BACKEND_OPTIONS = {  # name -> (config, extra inputs): the costly options, each on top of the default config
+    "lags": (CONFIG, "lags"),
+    **{name: (config, "advantages" if needs else None) for name, (config, needs) in TRUST_REGION_CONFIGS.items()},
+}
+
+
+def backend_costs(repeats: int) -> None:
+    """Eager against compiled (``kernel_backend``): the first call's compile time per config, the list and packed
+    entry points at the four shapes (interleaved), each costly option's share of a default call on both backends,
+    recompiles over the shapes, and the aten operations left outside the compiled kernels."""
+    from torch._dynamo.utils import counters
+
+    from miles_mis import backend
+
+    compiled_config = _compiled(CONFIG)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis); "
+          f"inductor cache: {__import__('os').environ.get('TORCHINDUCTOR_CACHE_DIR', '/tmp/torchinductor_<user> (default)')}")
+    inputs = make_inputs(64, 512)
+    flat = packed_inputs(inputs)
+    start = time.perf_counter()
+    ours_packed(flat)
+    eager_first = time.perf_counter() - start
+    start = time.perf_counter()
+    compute_mis_weights_packed(compiled_config, **flat)
+    print(f"first call: eager {eager_first * 1e3:.0f} ms, compiled {time.perf_counter() - start:.1f} s (the probe and "
+          f"3 kernels compiled, or loaded from the inductor cache); fallbacks: {backend.FALLBACKS or 'none'}")
+    graphs = counters["stats"]["unique_graphs"]
+    print("medians in ms, interleaved: eager and compiled, list and packed entry points")
+    print(f"{'B':>5} {'T':>5} {'tokens':>7} {'list eager':>10} {'list comp':>10} {'list x':>7} {'packed eager':>12} "
+          f"{'packed comp':>11} {'packed x':>8}")
+    for num_seqs, max_len in SHAPES:
+        inputs = make_inputs(num_seqs, max_len)
+        pg_loss = torch.ones(sum(inputs["response_lengths"]))
+        flat = packed_inputs(inputs)
+        list_e, list_c, packed_e, packed_c = interleaved_medians_ms(
+            lambda: ours(inputs, pg_loss), lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs),
+            lambda: ours_packed(flat), lambda: compute_mis_weights_packed(compiled_config, **flat), repeats=repeats)
+        print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {list_e:>10.2f} {list_c:>10.2f} {list_e / list_c:>6.2f}x "
+              f"{packed_e:>12.2f} {packed_c:>11.2f} {packed_e / packed_c:>7.2f}x")
+    print(f"recompiles over the four shapes after the first call: {counters['stats']['unique_graphs'] - graphs}")
+    print("each option's share of a default list call (medians, interleaved; target: at most 10 % when on):")
+    print(f"{'B':>5} {'T':>5} {'option':>10} {'eager':>8} {'+ option':>9} {'share':>7} {'compiled':>9} {'+ option':>9} "
+          f"{'share':>7} {'compile s':>9}")
+    for num_seqs, max_len in (SHAPES[0], SHAPES[1]):
+        inputs = make_inputs(num_seqs, max_len)
+        pg_loss = torch.ones(sum(inputs["response_lengths"]))
+        extras = {"lags": {"version_lags": torch.randint(0, 5, (num_seqs,),
+                                                         generator=torch.Generator().manual_seed(1)).tolist()},
+                  "advantages": {"advantages": [torch.full((n,), 1.0 if i % 2 else -1.0)
+                                                for i, n in enumerate(inputs["response_lengths"])]},
+                  None: {}}
+        for name, (config, extra) in BACKEND_OPTIONS.items():
+            kwargs = extras[extra]
+            start = time.perf_counter()
+            compute_mis_weights_with_cp(_compiled(config), pg_loss=pg_loss, **inputs, **kwargs)
+            compile_s = time.perf_counter() - start
+            plain_e, option_e, plain_c, option_c = interleaved_medians_ms(
+                lambda: compute_mis_weights_with_cp(CONFIG, pg_loss=pg_loss, **inputs),
+                lambda: compute_mis_weights_with_cp(config, pg_loss=pg_loss, **inputs, **kwargs),
+                lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs),
+                lambda: compute_mis_weights_with_cp(_compiled(config), pg_loss=pg_loss, **inputs, **kwargs),
+                repeats=repeats)
+            print(f"{num_seqs:>5} {max_len:>5} {name:>10} {plain_e:>8.2f} {option_e:>9.2f} "
+                  f"{100 * (option_e - plain_e) / plain_e:>6.0f}% {plain_c:>9.2f} {option_c:>9.2f} "
+                  f"{100 * (option_c - plain_c) / plain_c:>6.0f}% {compile_s:>9.1f}")
+    from device_timing import launches_and_syncs
+
+    inputs = make_inputs(512, 64, seed=1)
+    pg_loss = torch.ones(sum(inputs["response_lengths"]))
+    flat = packed_inputs(inputs)
+    cpu = torch.device("cpu")
+    events = {name: launches_and_syncs(call, cpu)["aten_events"] for name, call in (
+        ("list eager", lambda: ours(inputs, pg_loss)),
+        ("list compiled", lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs)),
+        ("packed eager", lambda: ours_packed(flat)),
+        ("packed compiled", lambda: compute_mis_weights_packed(compiled_config, **flat)))}
+    print("aten events per call at B=512 (torch profiler, nested ones included; a compiled kernel's fused loop is "
+          "none): " + ", ".join(f"{name} {count}" for name, count in events.items()))
+    print(f"fallbacks: {backend.FALLBACKS or 'none'}")
+
+
 def device_costs(device: torch.device, repeats: int, json_path: Path | None, shapes=SHAPES) -> dict:
     """On ``device``: the list and packed entry points and the padded baseline (its tensors built on the device),
     timed interleaved (CUDA events on a GPU, device_timing.py), checked equal first; then the kernel launches and
     host syncs of one call of each entry point, from the profiler. Printed, and written to ``json_path``."""
     from device_timing import interleaved_device_ms, launches_and_syncs
 
+    from miles_mis import backend
+
     rows = []
+    compiled_config = _compiled(CONFIG)
     print(f"torch {torch.__version__} on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f", {torch.get_num_threads()} threads") + "; medians in ms, interleaved")
@@ -508,18 +601,33 @@ def device_costs(device: torch.device, repeats: int, json_path: Path | None, sha
             with torch.device(device):
                 return padded(dense)
 
-        t_list, t_packed, t_padded = interleaved_device_ms(
-            lambda: ours(inputs, pg_loss), lambda: ours_packed(flat), padded_on_device, repeats=repeats, device=device)
+        list_compiled = lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs)  # noqa: E731
+        packed_compiled = lambda: compute_mis_weights_packed(compiled_config, **flat)  # noqa: E731
+        started = time.perf_counter()
+        same = torch.equal(packed_compiled()[1], ours_packed(flat)[1])  # the first compiled call compiles
+        compile_s = time.perf_counter() - started
+        assert same, "the compiled backend keeps other tokens than eager"
+        t_list, t_packed, t_padded, t_list_c, t_packed_c = interleaved_device_ms(
+            lambda: ours(inputs, pg_loss), lambda: ours_packed(flat), padded_on_device, list_compiled, packed_compiled,
+            repeats=repeats, device=device)
         counts = {"list": launches_and_syncs(lambda: ours(inputs, pg_loss), device),
-                  "packed": launches_and_syncs(lambda: ours_packed(flat), device)}
+                  "packed": launches_and_syncs(lambda: ours_packed(flat), device),
+                  "list_compiled": launches_and_syncs(list_compiled, device),
+                  "packed_compiled": launches_and_syncs(packed_compiled, device)}
         rows.append({"num_seqs": num_seqs, "max_len": max_len, "tokens": len(pg_loss), "list_ms": t_list,
-                     "packed_ms": t_packed, "padded_ms": t_padded, "counts": counts})
+                     "packed_ms": t_packed, "padded_ms": t_padded, "list_compiled_ms": t_list_c,
+                     "packed_compiled_ms": t_packed_c, "first_compiled_call_s": compile_s, "counts": counts})
         pick = lambda key: f"{counts['list'][key]}/{counts['packed'][key]}"  # noqa: E731
         print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {t_list:>7.2f} {t_packed:>7.2f} {t_padded:>7.2f} "
               f"{t_padded / t_packed:>7.2f}x {pick('kernel_launches'):>20} {pick('host_syncs'):>17} "
               f"{pick('scalar_reads'):>17}")
+        compiled_counts = (f"{counts['list_compiled']['kernel_launches']}/{counts['packed_compiled']['kernel_launches']}")
+        print(f"{'':>19} compiled (kernel_backend): list {t_list_c:.2f} ({t_list / t_list_c:.2f}x), packed "
+              f"{t_packed_c:.2f} ({t_packed / t_packed_c:.2f}x), launches list/packed {compiled_counts}, "
+              f"first call {compile_s:.1f} s")
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu", "torch": torch.__version__, "repeats": repeats, "rows": rows}
+              else "cpu", "torch": torch.__version__, "repeats": repeats, "rows": rows,
+              "compiled_fallbacks": list(backend.FALLBACKS)}
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -534,6 +642,8 @@ def main() -> None:
     parser.add_argument("--device", default=None,
                         help="instead: list, packed and padded on this device (cuda: CUDA events), with kernel launches "
                              "and host syncs per call (default: the CPU comparison above)")
+    parser.add_argument("--backends", action="store_true",
+                        help="instead: eager against compiled (kernel_backend), default config and each costly option")
     parser.add_argument("--json", type=Path, default=None, help="with --device: also write the results here")
     parser.add_argument("--quick", action="store_true", help="with --device: the two smallest shapes only")
     args = parser.parse_args()
@@ -541,6 +651,9 @@ def main() -> None:
     if args.device is not None:
         device_costs(torch.device(args.device), args.repeats, args.json,
                      sorted(SHAPES, key=lambda s: s[0] * s[1])[:2] if args.quick else SHAPES)
+        return
+    if args.backends:
+        backend_costs(args.repeats)
         return
     if args.lags:
         lag_costs(args.repeats)

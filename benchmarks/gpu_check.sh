@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot check for the day a GPU is lent (docs/performance.md, "The GPU check"): the device-aware tests with
-# their tensors on the device, then bench_core.py on it (CUDA events; kernel launches and host syncs per call), and
+# their tensors on the device, then bench_core.py on it (CUDA events; kernel launches and host syncs per call; eager
+# and the compiled backend, kernel_backend: compiled, side by side), and
 # one summary file, DIR/summary.json. Under 5 minutes on one GPU. Needs torch and this project only (run from the
 # repository root, nothing installed): the tests also need pytest and hypothesis, installed from --wheels DIR
 # (`pip download -d DIR pytest hypothesis pyyaml`, carried along) when they are missing; without them the tests are

@@ -72,8 +72,9 @@ def effective(requested: str) -> str:
 
 
 def call(kernel: Callable, requested: str, *args):
-    """``kernel(*args)``, compiled when the effective backend of ``requested`` is ``compiled``."""
-    if requested != "compiled" or effective(requested) != "compiled" or kernel in _FAILED:
+    """``kernel(*args)``, compiled when the effective backend of ``requested`` is ``compiled``. Under a
+    TorchDispatchMode (an op counter, a debug mode), which torch.compile does not support, it runs eager."""
+    if requested != "compiled" or effective(requested) != "compiled" or kernel in _FAILED or _dispatch_mode_active():
         return kernel(*args)
     compiled = _COMPILED.get(kernel)
     if compiled is None:
@@ -83,20 +84,21 @@ def call(kernel: Callable, requested: str, *args):
     try:
         return compiled(*args)
     except Exception as error:
-        if not _is_compiler_failure(error):
-            raise  # the kernel's own error (a bad input), as eager raises it
+        # the kernel's own error (a bad input) is raised again by the eager call, as the eager backend raises it;
+        # an error eager does not raise was the compiler's: this kernel runs eager from now on
+        result = kernel(*args)
         _FAILED.add(kernel)
         _fall_back(f"{kernel.__module__}.{kernel.__qualname__}", _one_line(error))
-        return kernel(*args)
+        return result
 
 
 _FAILED: set[Callable] = set()
 
 
-def _is_compiler_failure(error: BaseException) -> bool:
-    """An error of dynamo/inductor (a graph break under fullgraph, a compiler that failed), not of the kernel."""
-    module = type(error).__module__ or ""
-    return module.startswith(("torch._dynamo", "torch._inductor", "torch.fx"))
+def _dispatch_mode_active() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def _fall_back(what: str, reason: str) -> None:

@@ -18,11 +18,13 @@ def test_gpu_check_runs_on_the_cpu_and_writes_one_summary(tmp_path):
     assert [(r["num_seqs"], r["max_len"]) for r in rows] == [(64, 512), (1024, 128)]
     for row in rows:
         assert row["list_ms"] > 0 and row["packed_ms"] > 0 and row["padded_ms"] > 0
-        for entry in ("list", "packed"):
+        assert row["list_compiled_ms"] > 0 and row["packed_compiled_ms"] > 0 and row["first_compiled_call_s"] > 0
+        for entry in ("list", "packed", "list_compiled", "packed_compiled"):
             counts = row["counts"][entry]
             # on a CPU: no CUDA kernel or sync; one scalar read per call (what a GPU would wait for)
             assert counts["kernel_launches"] == 0 and counts["host_syncs"] == 0 and counts["scalar_reads"] >= 1
             assert counts["aten_events"] > 100
+    assert summary["bench"]["compiled_fallbacks"] == []
     assert "summary.json" in out.stderr
 
 
