@@ -330,6 +330,19 @@ def _as_max_lag(spec: KeySpec, value: Any) -> int | None:
     return int(number)
 
 
+def _as_backend(spec: KeySpec, value: Any) -> str:
+    """A kernel backend; null takes ``MILES_MIS_BACKEND`` (checked like the key, its error naming the variable),
+    else eager."""
+    if value is not None:
+        return _as_choice(spec, value)
+    value = _backend.environment_default()
+    if value is None:
+        return "eager"
+    if value not in spec.choices:
+        raise ValueError(f"{_backend.ENVIRONMENT}={value!r} is invalid: allowed values are {', '.join(spec.choices)}")
+    return value
+
+
 def _as_optional_positive(spec: KeySpec, value: Any) -> float | None:
     return _as_positive(spec.name, value, default=None)
 
@@ -406,10 +419,11 @@ KEY_SPECS = (
     KeySpec("rs_max_lag_k3", "fraction", None, "the staleness gate: with `rs_max_lag`, the sequences of a lag "
             "beyond it are rejected only when that lag's k3 over the micro-batch exceeds this; null = always "
             "(the fixed drop)", maximum=math.inf, parser=_as_optional_positive, allowed="null or a number > 0"),
-    KeySpec("kernel_backend", "choice", "eager", "how the core's per-token kernels run: `compiled` = through torch.compile "
-            "(inductor), eager without a working compiler (one warning line); the environment variable "
-            "`MILES_MIS_BACKEND` sets it where the config does not ([performance](performance.md#the-compiled-backend))",
-            choices=_backend.BACKENDS),
+    KeySpec("kernel_backend", "choice", None, "how the core's per-token kernels run: `compiled` = through "
+            "torch.compile (inductor), eager without a working compiler (one warning line); null = the environment "
+            "variable `MILES_MIS_BACKEND`, else eager ([performance](performance.md#the-compiled-backend))",
+            choices=_backend.BACKENDS, parser=_as_backend, allowed="null, eager, compiled",
+            shown_default="`MILES_MIS_BACKEND`, else eager"),
 )
 KEY_NAMES = tuple(spec.name for spec in KEY_SPECS)
 KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
@@ -507,17 +521,9 @@ class MisConfig:
     @classmethod
     def _build(cls, values: Mapping[str, Any], source: str | None) -> "MisConfig":
         """``cls(**values)`` (known keys only), its error prefixed with ``SOURCE: `` when a source is named: the
-        one place every constructor checks the values, so that a mapping, a file and a Namespace agree. A config
-        that does not set ``kernel_backend`` takes ``MILES_MIS_BACKEND`` when it is set, checked like the key."""
-        values = dict(values)
-        from_environment = _backend.environment_default()
-        if values.get("kernel_backend") is None and from_environment is not None:
-            if from_environment not in _backend.BACKENDS:
-                raise ValueError(f"{_backend.ENVIRONMENT}={from_environment!r} is invalid: allowed values are "
-                                 f"{', '.join(_backend.BACKENDS)}")
-            values["kernel_backend"] = from_environment
+        one place every constructor checks the values, so that a mapping, a file and a Namespace agree."""
         try:
-            return cls(**values)
+            return cls(**dict(values))
         except ValueError as error:
             if source is None:
                 raise

@@ -144,11 +144,15 @@ def test_a_kernels_own_error_is_raised_as_eager_raises_it(compiled_counters):
 
 def test_the_environment_variable_sets_the_backend_where_the_config_does_not(monkeypatch):
     monkeypatch.setenv("MILES_MIS_BACKEND", "compiled")
-    assert MisConfig.from_dict({}).kernel_backend == "compiled"
+    assert MisConfig.from_dict({}).kernel_backend == "compiled" and MisConfig().kernel_backend == "compiled"
+    assert MisConfig.from_dict({"kernel_backend": None}).kernel_backend == "compiled"
     assert MisConfig.from_dict({"kernel_backend": "eager"}).kernel_backend == "eager"
     monkeypatch.setenv("MILES_MIS_BACKEND", "fast")
-    with pytest.raises(ValueError, match=r"^MILES_MIS_BACKEND='fast' is invalid: allowed values are eager, compiled$"):
+    with pytest.raises(ValueError, match=r"^config: MILES_MIS_BACKEND='fast' is invalid: allowed values are eager, "
+                                         r"compiled$"):
         MisConfig.from_dict({})
+    with pytest.raises(ValueError, match=r"^MILES_MIS_BACKEND='fast' is invalid"):
+        MisConfig()  # a config built in code reads it too
     monkeypatch.delenv("MILES_MIS_BACKEND")
     assert MisConfig.from_dict({}).kernel_backend == "eager"
     with pytest.raises(ValueError, match="kernel_backend='fast' is invalid: allowed values are eager, compiled"):
