@@ -1,6 +1,7 @@
 """The lab on a real pretrained LM (SmolLM2-135M-Instruct, vLLM engine): the mismatch atlas, batch variance, and RL.
 
     python benchmarks/lab_real_model.py atlas      # per engine setting: `miles-mis measure`, both models
+    python benchmarks/lab_real_model.py batch-term # per engine setting: the batch-composition term (first batch)
     python benchmarks/lab_real_model.py variance   # the same tokens' log-probs across batch shapes
     python benchmarks/lab_real_model.py rl         # RL runs: algorithms x settings x seeds
     python benchmarks/lab_real_model.py tables     # the markdown tables and the figure from the results files
@@ -71,20 +72,32 @@ def append(part: str, row: dict) -> None:
 
 
 # --------------------------------------------------------------------------- atlas
+def measure_rows(part: str, items: dict[tuple[str, str], list[str]], batches: int, extra: tuple = ()) -> None:
+    """One ``miles-mis measure`` process per item ((model, setting name) -> its flags) not yet in ``part``'s results,
+    its row appended there (resumable)."""
+    done = {(r["model"], r["name"]) for r in read(part)}
+    for (model, name), flags in items.items():
+        if (model, name) in done:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            command = [sys.executable, "-m", "miles_mis.cli", "measure", *MODELS[model], *flags, "--batches",
+                       str(batches), "--prompts-per-step", "16", "--group-size", "4", "--json", str(out), *extra]
+            print(f"{part}: {model}, {name}", file=sys.stderr, flush=True)
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            row = json.loads(out.read_text())
+        append(part, dict(row, name=name, batches=batches))
+
+
 def atlas(batches: int) -> None:
-    done = {(r["model"], r["name"]) for r in read("atlas")}
-    for model, model_flags in MODELS.items():
-        for name, flags in SETTINGS.items():
-            if (model, name) in done:
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "row.json"
-                command = [sys.executable, "-m", "miles_mis.cli", "measure", *model_flags, *flags, "--batches",
-                           str(batches), "--prompts-per-step", "16", "--group-size", "4", "--json", str(out)]
-                print(f"atlas: {model}, {name}", file=sys.stderr, flush=True)
-                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-                row = json.loads(out.read_text())
-            append("atlas", dict(row, name=name, batches=batches))
+    measure_rows("atlas", {(model, name): flags for model in MODELS for name, flags in SETTINGS.items()}, batches)
+
+
+def batch_term(batches: int = 1) -> None:
+    """Per atlas setting (both models), the batch-composition term: the first batch (16 prompts x 4) decoded again
+    one request at a time with the same seeds (``miles-mis measure --batch-term``)."""
+    measure_rows("batch_term", {(model, name): flags for model in MODELS for name, flags in SETTINGS.items()}, batches,
+                 ("--batch-term",))
 
 
 # --------------------------------------------------------------------------- truncated sampling
@@ -103,18 +116,7 @@ TRUNCATION_SETTINGS = {  # SmolLM2 on vLLM: the detector's false alarms (untrunc
 
 def truncation(batches: int) -> None:
     """Each TRUNCATION_SETTINGS row of `miles-mis measure` on SmolLM2-135M (resumable: done rows are skipped)."""
-    done = {r["name"] for r in read("truncation")}
-    for name, flags in TRUNCATION_SETTINGS.items():
-        if name in done:
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "row.json"
-            command = [sys.executable, "-m", "miles_mis.cli", "measure", *MODELS["smollm2-135m"], *flags, "--batches",
-                       str(batches), "--prompts-per-step", "16", "--group-size", "4", "--json", str(out)]
-            print(f"truncation: {name}", file=sys.stderr, flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-            row = json.loads(out.read_text())
-        append("truncation", dict(row, name=name, batches=batches))
+    measure_rows("truncation", {("smollm2-135m", name): flags for name, flags in TRUNCATION_SETTINGS.items()}, batches)
 
 
 # --------------------------------------------------------------------------- batch variance
@@ -261,14 +263,21 @@ def closed_loop(dumps: Path) -> None:
 
 
 # --------------------------------------------------------------------------- tables
-def atlas_table(rows: list[dict]) -> str:
+def atlas_table(rows: list[dict], batch_terms: list[dict] = ()) -> str:
+    """The atlas, with each setting's batch-composition term where measured (``batch_term``): the responses a
+    one-at-a-time decode left identical and the k3 of the log-prob difference on the common prefixes."""
+    terms = {(r["model"], r["name"]): r for r in batch_terms}
     lines = ["| model | engine setting | k3 | mean \\|Δ log p\\| | max \\|Δ log p\\| | ESS | first-token k3 | "
-             "k3 at p_rollout < 0.1 (share of tokens) | reward |", "|---|---|---|---|---|---|---|---|---|"]
+             "k3 at p_rollout < 0.1 (share of tokens) | reward | decoded alone: identical, k3 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        term = terms.get((r["model"], r["name"]))
+        shown = ("—" if term is None else f"{term['batch_term_identical_responses']}/{term['batch_term_responses']}, "
+                 f"{term['batch_term_k3']:.2e}")
         lines.append(f"| {r['model']} | {r['name']} | {r['k3']:.2e} | {r['mean_abs_log_ratio']:.4f} | "
                      f"{r['max_abs_log_ratio']:.3f} | {r['ess']:.4f} | {r['mis_k3_first_token']:.2e} | "
                      f"{r['mis_k3_low_rollout_prob']:.2e} ({r['mis_low_rollout_prob_token_fraction']:.0%}) | "
-                     f"{r['reward']:.3f} |")
+                     f"{r['reward']:.3f} | {shown} |")
     return "\n".join(lines)
 
 
@@ -414,7 +423,7 @@ def generation_table(rows: list[dict]) -> str:
 
 
 def tables() -> None:
-    print(atlas_table(read("atlas")), end="\n\n")
+    print(atlas_table(read("atlas"), read("batch_term")), end="\n\n")
     print(probability_table(read("atlas")), end="\n\n")
     print(position_table(read("atlas")), end="\n\n")
     print(config_table(read("atlas")), end="\n\n")
@@ -433,7 +442,7 @@ def tables() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("atlas", "truncation", "variance", "rl", "tables"))
+    parser.add_argument("part", choices=("atlas", "batch-term", "truncation", "variance", "rl", "tables"))
     parser.add_argument("--batches", type=int, default=4, help="atlas: batches of 64 samples per row (default: 4)")
     parser.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"], help="variance: engine dtypes")
     parser.add_argument("--seeds", type=int, default=2, help="rl: seeds per cell (default: 2)")
@@ -443,6 +452,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.part == "atlas":
         atlas(args.batches)
+    elif args.part == "batch-term":
+        batch_term()
     elif args.part == "truncation":
         truncation(args.batches)
     elif args.part == "variance":
