@@ -151,7 +151,7 @@ def token_kernel(batch: PackedBatch, config: MisConfig, bounds: TokenBounds) -> 
     token_ratio = clamped.exp()
     # both 0 where not usable (ℓ = 0); expm1, not e^ℓ − 1: no cancellation when the engines nearly agree
     k3 = ops.k3(clamped, log_ratio)
-    chi2 = torch.expm1(clamped.mul_(2.0))
+    chi2 = ops.expm1(clamped.mul_(2.0))
 
     if config.rs_veto_threshold is not None:
         # compare the raw ℓ_t, not the clamped ratio: a threshold below e^-20 must still fire

@@ -90,7 +90,7 @@ def log1mexp(log_p: Tensor) -> Tensor:
     """log(1 − e^x) for x ≤ 0, accurate everywhere: log(−expm1(x)) near 0, log1p(−e^x) below −log 2; −inf at
     x = 0 (callers hold it at ``_LOG_TINY``: a clamp of x before the log would give log(1e-300) ≈ −690.8 instead)."""
     near = log_p > -math.log(2.0)
-    return torch.where(near, torch.log(-torch.expm1(log_p.clamp(max=0.0))),
+    return torch.where(near, torch.log(-ops.expm1(log_p.clamp(max=0.0))),
                        torch.log1p(-torch.exp(log_p.clamp(max=-math.log(2.0)))))
 
 
@@ -102,14 +102,14 @@ def probability_estimators(log_ratio: Tensor, train_log_probs: Tensor, rollout_l
     q = log_q.exp()
     ell = log_p - log_q
     # p − q without cancellation where they nearly agree; e^{log p} − e^{log q} is exact enough elsewhere
-    delta = torch.where(ell.abs() <= 1.0, q * torch.expm1(ell.clamp(-1.0, 1.0)), log_p.exp() - q)
+    delta = torch.where(ell.abs() <= 1.0, q * ops.expm1(ell.clamp(-1.0, 1.0)), log_p.exp() - q)
     out = {}
     if "tv" in needed:
         out["tv"] = delta
     if "atv" in needed:
         out["atv"] = delta.abs()
     if "bkl" in needed:
-        one_minus_q = -torch.expm1(log_q)
+        one_minus_q = -ops.expm1(log_q)
         tail = one_minus_q * (log1mexp(log_q).clamp(min=_LOG_TINY) - log1mexp(log_p).clamp(min=_LOG_TINY))
         out["bkl"] = (torch.where(one_minus_q > 0, tail, 0.0) - q * ell).clamp_(min=0.0)  # q log(q/p) = −q ℓ
     return out
