@@ -1,3 +1,4 @@
+import os
 import random
 import sys
 from pathlib import Path
@@ -10,6 +11,24 @@ REPO = Path(__file__).resolve().parents[1]
 # The device the tensors of the device-aware tests live on (``pytest --device cuda``; benchmarks/gpu_check.sh): the
 # batch helpers below build their tensors on the CPU (seeded generators) and move them there. CPU by default.
 DEVICE = torch.device("cpu")
+
+
+# MILES_MIS_BACKEND=compiled runs every config built in the tests on the compiled backend (miles_mis.backend): then
+# every config compiles (dynamo's limit of 8 per kernel would run the rest eager), and the run ends with the count of
+# kernels that fell back to eager (0 expected)
+if os.environ.get("MILES_MIS_BACKEND") == "compiled":
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 1_000_000
+    torch._dynamo.config.accumulated_recompile_limit = 1_000_000
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("MILES_MIS_BACKEND") == "compiled":
+        from miles_mis import backend
+
+        terminalreporter.write_line(f"compiled backend: {len(backend.FALLBACKS)} fallbacks to eager in this process"
+                                    + "".join(f"\n  {line}" for line in backend.FALLBACKS))
 
 
 def pytest_addoption(parser):
