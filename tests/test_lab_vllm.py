@@ -6,6 +6,7 @@ The engines are built once per process (vllm_engine keeps one per model shape, d
 size) and shared by every test here."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -271,3 +272,48 @@ def test_measure_batch_term(tmp_path, capsys):
     assert "decoded one at a time instead of in this batch:" in capsys.readouterr().out
     assert main(["measure", "--batches", "1", "--batch-term"]) == 1
     assert "--batch-term decodes requests again one at a time" in capsys.readouterr().err
+
+
+def test_decode_terms_split_the_numerics_by_hand():
+    """b = log π_trainer(v) − log π_rollout = c + d at the engine's prefill score: c = trainer − prefill (the kernels),
+    d = prefill − generated (the decode batch); each term's k3 is the mean of e^x − x − 1."""
+    from miles_mis.lab.schedule import decode_terms
+
+    trainer = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    prefill = [torch.tensor([-1.1, -2.0]), torch.tensor([-0.5])]
+    generated = [torch.tensor([-1.1, -2.2]), torch.tensor([-0.5])]
+    terms = decode_terms(trainer, prefill, generated)
+    k3 = lambda x: math.expm1(x) - x  # noqa: E731
+    c = [float(torch.tensor(-1.0) - torch.tensor(-1.1)), 0.0, 0.0]  # the float32 inputs' exact differences
+    d = [0.0, float(torch.tensor(-2.0) - torch.tensor(-2.2)), 0.0]
+    assert terms["kernel_k3"] == pytest.approx(sum(map(k3, c)) / 3, rel=1e-12)
+    assert terms["decode_k3"] == pytest.approx(sum(map(k3, d)) / 3, rel=1e-12)
+    assert terms["decode_changed_token_fraction"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "tiny"], "only the vLLM engine gives: use --engine vllm"),
+    (["--model", "tiny", "--engine", "vllm", "--rollout-top-p", "0.9", "--rollout-logprob-source", "processed"],
+     "use --rollout-logprob-source full and --rollout-temperature 1"),
+    (["--model", "tiny", "--engine", "vllm", "--rollout-temperature", "0.7"], "--rollout-temperature 1"),
+])
+def test_decode_term_is_refused_where_it_cannot_measure(flags, named):
+    with pytest.raises(ValueError, match=named):
+        parse_args([*flags, "--decode-term"])
+
+
+@needs_vllm
+def test_decode_term_splits_the_numerics_of_an_async_run(tmp_path):
+    """``--decode-term`` on the asynchronous schedule (one generate call per weight version, each scored at its own
+    weights before the next sync): every step carries kernel_k3 and decode_k3, and where no token's generated
+    log-prob differs from the engine's prefill score the kernels' term is the whole numerics term, to the bit."""
+    args = parse_args(["--engine", "vllm", "--rollout-dtype", "bf16", "--async-max-lag", "2", "--decode-term",
+                       "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--out-dir", str(tmp_path),
+                       "--quiet"])
+    history = train(args)
+    assert len(history) == 3
+    for row in history:
+        assert math.isfinite(row["kernel_k3"]) and math.isfinite(row["decode_k3"]) and row["kernel_k3"] > 0
+        assert 0.0 <= row["decode_changed_token_fraction"] <= 1.0
+        if row["decode_changed_token_fraction"] == 0.0:
+            assert row["decode_k3"] == 0.0 and row["kernel_k3"] == row["numerics_k3"]

