@@ -46,7 +46,7 @@ DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_
 # train flags that steer only training: measure accepts them (a train command line works) but lists only what acts
 NOT_ACTING = ("steps", "lr", "num_minibatches", "grad_clip", "save_interval", "resume", "wandb_project",
               "dump_interval", "quiet", "rollout_staleness", "async_max_lag", "out_dir", "context_parallel_size",
-              "mis_set")
+              "mis_set", "decode_term")  # decode_term: a training step's decomposition (measure has --batch-term)
 
 
 def build_parser() -> argparse.ArgumentParser:
