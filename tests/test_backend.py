@@ -133,7 +133,8 @@ def test_compiled_makes_the_same_decisions_as_eager(case, compiled_counters):
 def test_random_differential_cases_decide_alike(compiled_counters):
     """Cases of the differential test (random valid configs and batches: NaN and fill values, extreme ratios, every
     mask kind, lags, the current policy, advantages), at cp = 1 through the list entry point: the compiled backend
-    returns the same masks and 0/1 metrics, the weighted loss and the other metrics within ULPS."""
+    returns the same masks and 0/1 metrics, the weighted loss and the other metrics within ULPS (5 cases: each
+    compiles its own kernels; MILES_MIS_BACKEND=compiled runs the whole differential test compiled)."""
     import test_differential as differential
 
     checked = 0
@@ -155,9 +156,9 @@ def test_random_differential_cases_decide_alike(compiled_counters):
             else:
                 assert_within_ulps(f"{label}: {name}", got, want, batch_scale=True)
         checked += 1
-        if checked == 8:
+        if checked == 5:
             break
-    assert checked == 8
+    assert checked == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
