@@ -30,6 +30,7 @@ ENVIRONMENT = "MILES_MIS_BACKEND"  # the backend of a config that does not set t
 LOGGER = logging.getLogger("miles_mis")
 FALLBACKS: list[str] = []  # one line per kernel (or probe) that could not compile and runs eager instead
 _COMPILED: dict[Callable, Callable] = {}
+_FAILED: set[Callable] = set()  # kernels that failed to compile: eager from then on
 _PROBE: dict[str, str | None] = {}  # "reason" -> None when a compiler works, else why not
 
 
@@ -74,7 +75,7 @@ def effective(requested: str) -> str:
 def call(kernel: Callable, requested: str, *args):
     """``kernel(*args)``, compiled when the effective backend of ``requested`` is ``compiled``. Under a
     TorchDispatchMode (an op counter, a debug mode), which torch.compile does not support, it runs eager."""
-    if requested != "compiled" or effective(requested) != "compiled" or kernel in _FAILED or _dispatch_mode_active():
+    if effective(requested) != "compiled" or kernel in _FAILED or _dispatch_mode_active():
         return kernel(*args)
     compiled = _COMPILED.get(kernel)
     if compiled is None:
@@ -90,9 +91,6 @@ def call(kernel: Callable, requested: str, *args):
         _FAILED.add(kernel)
         _fall_back(f"{kernel.__module__}.{kernel.__qualname__}", _one_line(error))
         return result
-
-
-_FAILED: set[Callable] = set()
 
 
 def _dispatch_mode_active() -> bool:
@@ -111,11 +109,3 @@ def _fall_back(what: str, reason: str) -> None:
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
-def reset() -> None:
-    """Forget the probe, the compiled kernels and the fallbacks (tests)."""
-    _PROBE.clear()
-    _COMPILED.clear()
-    _FAILED.clear()
-    FALLBACKS.clear()

@@ -79,6 +79,18 @@ def bound_fraction_metrics(prefix: str, mode: str, ratio: Tensor, lower: float, 
 
 
 # --------------------------------------------------------------------------- stage 1: tokens
+class TokenBounds(NamedTuple):
+    """The ratio bounds of the token stage and the log-ratio thresholds its decisions compare ℓ with
+    (``ops.log_bound``), computed before the kernel (eagerly on either backend: the thresholds are then the same
+    numbers whatever runs the kernel)."""
+
+    upper: float | Tensor  # the token weights' upper bound (token_upper_bound)
+    log_upper: float | Tensor
+    log_lower: float  # ln tis_lower_bound (every mode but truncate; 0.0 when unused)
+    rs_log_lower: float  # ln rs_lower_bound, ln rs_upper_bound (token RS; 0.0 when unused)
+    rs_log_upper: float
+
+
 @dataclass(frozen=True)
 class TokenTerms:
     """Per-token quantities [N]; masks are float 0/1."""
@@ -95,38 +107,27 @@ class TokenTerms:
     token_weight: Tensor  # token-level TIS weight (only meaningful when tis_level == "token")
     estimators: dict  # k1/k2/k3 per token (only with rs_divergence)
     divergence_kept: dict  # token option -> 0/1 kept by that option
-    upper: float | Tensor  # the token weights' upper bound: a number, [N] per-lag bounds, or the adaptive 0-d one
-    log_upper: float | Tensor  # its ops.log_bound: what ℓ_t is compared with (ρ_t > U ⟺ ℓ_t > log_upper)
+    # the token weights' upper bound (a number, [N] per-lag bounds, or the adaptive 0-d one) and the log-ratio
+    # thresholds of every token decision (ρ_t > U ⟺ ℓ_t > bounds.log_upper)
+    bounds: TokenBounds
     moving_out: Tensor | None = None  # 0/1 A_t·ℓ_t > 0 (divergence.moving_out), with a directional option only
 
     def bounded(self, upper: Tensor) -> "TokenTerms":
         """These terms with the token weights truncated at ``upper`` (the adaptive bound, known only once the
         histogram of every rank's ratios has been combined)."""
-        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper), upper=upper,
-                                   log_upper=ops.log_bounds(upper))
+        return dataclasses.replace(self, token_weight=self.token_ratio.clamp(max=upper),
+                                   bounds=self.bounds._replace(upper=upper, log_upper=ops.log_bounds(upper)))
 
     @property
     def nonfinite(self) -> Tensor:  # valid but a log-prob is NaN/±inf or a fill value (|log p| ≥ LOG_PROB_BOUND)
         return self.valid - self.usable
 
 
-class TokenBounds(NamedTuple):
-    """The ratio bounds of the token stage and the log-ratio thresholds its decisions compare ℓ with
-    (``ops.log_bound``), computed before the kernel (eagerly on either backend: the thresholds are then the same
-    numbers whatever runs the kernel)."""
-
-    upper: float | Tensor  # the token weights' upper bound (token_upper_bound)
-    log_upper: float | Tensor
-    log_lower: float  # ln tis_lower_bound (mask and icepop modes; 0.0 when unused)
-    rs_log_lower: float  # ln rs_lower_bound, ln rs_upper_bound (token RS; 0.0 when unused)
-    rs_log_upper: float
-
-
 def token_bounds(batch: PackedBatch, config: MisConfig) -> TokenBounds:
     upper, log_upper = token_upper_bound(batch, config)
     token_rs = config.use_rs and config.rs_level == "token"
     return TokenBounds(upper, log_upper,
-                       ops.log_bound(config.tis_lower_bound) if config.tis_mode in ("mask", "icepop") else 0.0,
+                       ops.log_bound(config.tis_lower_bound) if config.tis_mode != "truncate" else 0.0,
                        ops.log_bound(config.rs_lower_bound) if token_rs else 0.0,
                        ops.log_bound(config.rs_upper_bound) if token_rs else 0.0)
 
@@ -185,7 +186,7 @@ def token_kernel(batch: PackedBatch, config: MisConfig, bounds: TokenBounds) -> 
         for keep in kept.values():
             token_pass = token_pass * keep
     return TokenTerms(valid, usable, train, log_ratio, token_ratio, k3, chi2, catastrophic, token_pass,
-                      token_weight, estimators, kept, bounds.upper, bounds.log_upper, out)
+                      token_weight, estimators, kept, bounds, out)
 
 
 def token_upper_bound(batch: PackedBatch, config: MisConfig) -> tuple[float | Tensor, float | Tensor]:
@@ -245,9 +246,9 @@ def bounded_tokens(terms: TokenTerms, config: MisConfig) -> Tensor:
     """[N] float64 0/1: usable tokens whose ratio is outside the token bound (ρ > U for truncate; ρ ∉ [L, U] else);
     float64 already, as the per-sequence sum takes it (one pass fewer than a float32 indicator)."""
     ell = terms.log_ratio  # ρ > U ⟺ ℓ > ln U (ops.log_bound)
-    outside = torch.gt(ell, terms.log_upper, out=torch.empty_like(ell, dtype=torch.float64))
+    outside = torch.gt(ell, terms.bounds.log_upper, out=torch.empty_like(ell, dtype=torch.float64))
     if config.tis_mode != "truncate":
-        outside.add_(torch.lt(ell, ops.log_bound(config.tis_lower_bound), out=torch.empty_like(outside)))
+        outside.add_(torch.lt(ell, terms.bounds.log_lower, out=torch.empty_like(outside)))
     # a token that is not usable has ρ = 1: outside the bound only when 1 is (a bound below 1, a lower one above)
     lowest = min(config.tis_upper_bound_by_lag or (config.tis_upper_bound,)) if not config.adaptive_bound else 1.0
     if lowest < 1.0 or (config.tis_mode != "truncate" and config.tis_lower_bound > 1.0):
@@ -577,10 +578,9 @@ def bound_at_tis_level(state: FinalizeState) -> None:
     if config.tis_level == "token":
         if config.adaptive_bound and state.bound is None:
             raise ValueError("tis_upper_bound: auto at token level: pass the bound bound_token_terms chose")
-        lower = ops.log_bound(config.tis_lower_bound) if config.tis_mode != "truncate" else 0.0
         state.token_metrics["tis_weight_before_bound"] = terms.token_ratio
-        state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.log_ratio, lower,
-                                                          terms.log_upper))
+        state.token_metrics.update(bound_fraction_metrics("tis_", config.tis_mode, terms.log_ratio,
+                                                          terms.bounds.log_lower, terms.bounds.log_upper))
         state.token_metrics["tis_weight_after_bound"] = terms.token_weight
         return
     state.seq_ratio = _clamped_exp(level_log_ratio(state.stats, config.tis_level))
@@ -606,9 +606,9 @@ def reject_outside_rs_bounds(state: FinalizeState) -> None:
     if not config.use_rs:
         return
     if config.rs_level == "token":
-        state.token_metrics.update(bound_fraction_metrics("rs_", "mask", state.terms.log_ratio,
-                                                          ops.log_bound(config.rs_lower_bound),
-                                                          ops.log_bound(config.rs_upper_bound)))
+        bounds = state.terms.bounds
+        state.token_metrics.update(bound_fraction_metrics("rs_", "mask", state.terms.log_ratio, bounds.rs_log_lower,
+                                                          bounds.rs_log_upper))
         return
     rs_ratio = _clamped_exp(level_log_ratio(state.stats, config.rs_level))
     state.seq_values.update(bound_fraction_metrics("rs_", "mask", rs_ratio,

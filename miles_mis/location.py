@@ -41,7 +41,7 @@ def token_values(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_prob
     partial sums add up to cp = 1's), and [Σ_{p < θ} k3_t, #{usable t: p_t < θ}, max |ℓ_t|] (float64): one fused
     pass on the compiled backend. ``k3`` and ``log_ratio`` are 0 where not usable (sums of them need no mask)."""
     k3, usable = k3.double(), usable.double()
-    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold)).double()
+    low = torch.lt(rollout_log_probs, math.log(low_prob_threshold), out=torch.empty_like(usable))
     if log_ratio.numel():
         smallest, largest = torch.aminmax(log_ratio)
         largest = torch.maximum(largest, -smallest)
