@@ -108,13 +108,15 @@ SERIES = ("reward", "raw_k3", "response_length", "seconds", "mean_lag", "stale_k
           "mis_rs_divergence_masked_token_fraction")
 
 
-def cells(regimes, seeds: int | None = None):
-    """(regime, seed, algorithm) in run order: regime by regime, then seed by seed."""
+def cells(regimes, seeds: int | None = None, only=None):
+    """(regime, seed, algorithm) in run order: regime by regime, then seed by seed; ``only`` keeps those algorithms
+    (each regime's own otherwise)."""
     for regime in regimes:
         _, algorithms, default_seeds, _ = REGIMES[regime]
         for seed in range(default_seeds if seeds is None else seeds):
             for algorithm in algorithms:
-                yield regime, seed, algorithm
+                if only is None or algorithm in only:
+                    yield regime, seed, algorithm
 
 
 def slug(regime: str) -> str:
@@ -135,20 +137,21 @@ def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Pat
 SEED, CELL = ("regime", "seed"), ("algorithm",)  # a seed's algorithms pair within one first rollout (lab_sweep.left_here)
 
 
-def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None) -> list[tuple[str, int, str]]:
+def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None,
+         only=None) -> list[tuple[str, int, str]]:
     """The runs left for this machine: every seed no first rollout holds whole, but for the cells its group holds
     (lab_sweep.left_here: the group this machine's rows of the seed joined, else the largest)."""
     rows = [r for r in read_results(results) if r["steps"] == steps]
-    wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm} for regime, seed, algorithm in cells(regimes, seeds)]
+    wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm} for regime, seed, algorithm in cells(regimes, seeds, only)]
     left = left_here(wanted, rows, SEED, CELL, machine() if here is None else here, first_rollout)
     return [(c["regime"], c["seed"], c["algorithm"]) for c in left]
 
 
-def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) -> None:
+def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path, only=None) -> None:
     """Run what ``todo`` leaves, one run at a time, asking it again after each run: a run whose first rollout differs
     from the seed's group (another VM's kernels) turns the seed into a whole set to run here."""
     here = machine()
-    cells_left = todo(regimes, seeds, steps, results, here)
+    cells_left = todo(regimes, seeds, steps, results, here, only)
     print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, cells_left, steps, read_results(results))}",
           file=sys.stderr, flush=True)
     count = 0
@@ -165,7 +168,7 @@ def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path) ->
         row = {"regime": regime, "algorithm": algorithm, "seed": seed, "steps": steps, "machine": here,
                "run_seconds": seconds, "peak_rss_mib": peak, **{key: [r.get(key) for r in history] for key in SERIES}}
         append_result(results, row)
-        left_after = todo(regimes, seeds, steps, results, here)
+        left_after = todo(regimes, seeds, steps, results, here, only)
         if len(left_after) >= len(cells_left):
             print(f"verdicts: {regime} seed {seed} has another first rollout here ({first_rollout(row)}): "
                   "the seed runs whole on this machine", file=sys.stderr, flush=True)
@@ -309,7 +312,9 @@ def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
     """Where correcting ``uncorrected`` starts to matter: the largest k3 below which no regime has a resolved gain
     (``safe_below``: the k3 of the last such regime, None if the first already has one) and the first regime with a
     resolved gain (``matters_at``, its correction; None if none has). A regime above ``matters_at`` without a resolved
-    gain is listed in ``unresolved_above`` (the curve need not be monotone)."""
+    gain is listed in ``unresolved_above`` (the curve need not be monotone). "No resolved gain" is not "no gain":
+    ``safe_below`` carries the largest gain its intervals leave open (``not_excluded``: the highest upper bound over
+    the safe regimes, and the fewest seeds among them)."""
     safe, matters, above = None, None, []
     for point in points:
         gap = point["gaps"].get(uncorrected)
@@ -318,7 +323,9 @@ def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
         if gap["low"] > 0 and matters is None:
             matters = {"k3": point["k3"], "regime": point["regime"], **gap}
         elif matters is None:
-            safe = {"k3": point["k3"], "regime": point["regime"]}
+            open_gain = gap["high"] if safe is None else max(safe["not_excluded"], gap["high"])
+            seeds = gap["seeds"] if safe is None else min(safe["seeds"], gap["seeds"])
+            safe = {"k3": point["k3"], "regime": point["regime"], "not_excluded": open_gain, "seeds": seeds}
         elif gap["low"] <= 0:
             above.append(point["regime"])
     return {"uncorrected": uncorrected, "safe_below": safe, "matters_at": matters, "unresolved_above": above}
@@ -327,7 +334,10 @@ def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
 def level_sentence(level: dict) -> str:
     """``safe_level`` in words."""
     safe, matters = level["safe_below"], level["matters_at"]
-    safe_text = "no regime" if safe is None else f"k3 = {safe['k3']:.2e} ({safe['regime']})"
+    if safe is None and matters is None and not level["unresolved_above"]:
+        return f"{level['uncorrected']}: no regime paired on 2 seeds yet"
+    safe_text = ("no regime" if safe is None else f"k3 = {safe['k3']:.2e} ({safe['regime']}; a gain up to "
+                 f"{safe['not_excluded']:+.3f} reward is not excluded at {safe['seeds']} seeds)")
     matters_text = ("in no regime measured" if matters is None else
                     f"at k3 = {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}, "
                     f"{matters['mean']:+.3f} [{matters['low']:+.3f}, {matters['high']:+.3f}], n={matters['seeds']})")
@@ -427,6 +437,8 @@ def main() -> None:
                         help="regimes to run, in order (default: all, in the order above)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: each regime's own: "
                         + ", ".join(f"{name} {spec[2]}" for name, spec in REGIMES.items()) + ")")
+    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=None,
+                        help="run only these algorithms of each regime (default: all of each regime's)")
     parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_verdicts"), help="the runs' files "
                         "(default: runs/lab_verdicts)")
@@ -434,11 +446,11 @@ def main() -> None:
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
     args = parser.parse_args()
     if args.part == "budget":
-        left = todo(args.regimes, args.seeds, args.steps, args.results)
+        left = todo(args.regimes, args.seeds, args.steps, args.results, only=args.algorithms)
         print(f"{len(left)} runs to do; {budget_line(args.regimes, left, args.steps, read_results(args.results))}")
         return
     if args.part == "run":
-        run(args.regimes, args.seeds, args.steps, args.out_dir, args.results)
+        run(args.regimes, args.seeds, args.steps, args.out_dir, args.results, args.algorithms)
     all_rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
     for line in mixed_first_rollouts(all_rows):
         print(f"warning: {line}", file=sys.stderr)

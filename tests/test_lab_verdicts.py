@@ -46,6 +46,11 @@ def test_run_order_is_seed_by_seed(verdicts):
     assert order[:len(algorithms)] == [("bf16 + fp8 weights", 0, a) for a in algorithms]
     assert order[len(algorithms)] == ("bf16 + fp8 weights", 1, "standard")
     assert len(list(verdicts.cells(verdicts.REGIMES))) == sum(s[2] * len(s[1]) for s in verdicts.REGIMES.values())
+    # --algorithms keeps the order and only the named algorithms, and only where a regime has them
+    only = list(verdicts.cells(["bf16 + fp8 weights", "fp32"], seeds=2, only=("bypass", "dppo_ppo")))
+    assert only == [("bf16 + fp8 weights", 0, "bypass"), ("bf16 + fp8 weights", 0, "dppo_ppo"),
+                    ("bf16 + fp8 weights", 1, "bypass"), ("bf16 + fp8 weights", 1, "dppo_ppo"),
+                    ("fp32", 0, "bypass"), ("fp32", 1, "bypass")]
 
 
 def _row(verdicts, algorithm, seed, rewards):
@@ -102,11 +107,21 @@ def test_safe_mismatch_curve_by_hand(verdicts):
     assert fp8["gaps"]["bypass"]["mean"] == pytest.approx(0.63667, abs=1e-4)
     assert "bypass" not in points[1]["gaps"]  # bf16 has no bypass runs
     level = verdicts.safe_level(points)
-    assert level["safe_below"] == {"k3": pytest.approx(1.3e-3), "regime": "bf16"}
+    # the gains left open: fp32 differences 0, +0.01 (mean +0.005, half-width t(1)·0.00707/√2 = 0.0635: high +0.0685);
+    # bf16 +0.04, −0.05 (mean −0.005, half 12.706·0.0636/√2 = 0.5718: high +0.5668), the larger
+    assert level["safe_below"] == {"k3": pytest.approx(1.3e-3), "regime": "bf16",
+                                   "not_excluded": pytest.approx(0.5668, abs=1e-4), "seeds": 2}
     assert level["matters_at"]["regime"] == "bf16 + fp8 weights" and level["unresolved_above"] == []
     sentence = verdicts.level_sentence(level)
-    assert sentence.startswith("standard: no resolved gain from a correction up to k3 = 1.30e-03 (bf16); the first "
+    assert sentence.startswith("standard: no resolved gain from a correction up to k3 = 1.30e-03 (bf16; a gain up to "
+                               "+0.567 reward is not excluded at 2 seeds); the first "
                                "resolved gain at k3 = 4.00e-02 (bf16 + fp8 weights: decoupled_tis, +0.303 [+0.289, ")
+
+
+def test_an_empty_curve_says_so(verdicts):
+    for uncorrected in verdicts.UNCORRECTED:
+        assert verdicts.level_sentence(verdicts.safe_level([], uncorrected)) == (f"{uncorrected}: no regime paired on "
+                                                                                 "2 seeds yet")
 
 
 def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
@@ -120,6 +135,7 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     curve = safe_level.load(path)
     assert curve["steps"] == 20 and curve["levels"]["standard"]["matters_at"]["correction"] == "decoupled_tis"
     assert safe_level.sentence(1e-3, curve).startswith("Safe by measurement: k3 = 1.00e-03 is at or below 1.30e-03 (bf16)")
+    assert "(a gain up to +0.567 reward is not excluded at 2 seeds)" in safe_level.sentence(1e-3, curve)
     assert safe_level.sentence(5e-2, curve).startswith("Above the safe level: k3 = 5.00e-02 is at or above 4.00e-02 "
                                                        "(bf16 + fp8 weights), where decoupled_tis beat standard PPO by "
                                                        "+0.303 reward [+0.289, +0.318] over 3 seeds")

@@ -4,7 +4,8 @@
 SmolLM2-135M (vLLM): per engine regime, standard PPO's raw k3 and the best correction's paired gain over standard
 PPO with a 95 % interval, and from those two levels:
 
-- ``safe_below``: the largest k3 up to which no regime showed a resolved gain from any correction;
+- ``safe_below``: the largest k3 up to which no regime showed a resolved gain from any correction, with the largest
+  gain the intervals there leave open (``not_excluded``, at ``seeds`` seeds);
 - ``matters_at``: the first (smallest-k3) regime where one did, and which correction.
 
 ``sentence`` places a dump's k3 against them. Without the file (no measurement shipped) it says nothing.
@@ -40,8 +41,9 @@ def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
              f"{curve['docs']})")
     if safe is not None and k3 <= safe["k3"]:
         return (f"Safe by measurement: k3 = {k3:.2e} is at or below {safe['k3']:.2e} ({safe['regime']}), up to which no "
-                f"correction changed standard PPO's final reward resolvably, {where}. A correction is cheap insurance "
-                "here, not a need.")
+                f"correction changed standard PPO's final reward resolvably (a gain up to {safe['not_excluded']:+.3f} "
+                f"reward is not excluded at {safe['seeds']} seeds), {where}. A correction is cheap insurance here, "
+                "not a need.")
     if matters is not None and k3 >= matters["k3"]:
         return (f"Above the safe level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
                 f"{matters['correction']} beat standard PPO by {matters['mean']:+.3f} reward "
