@@ -187,9 +187,11 @@ def mixed_first_rollouts(rows: list[dict]) -> list[str]:
 
 
 def seconds_per_step(rows: list[dict], regime: str) -> float:
-    """The median step time measured in ``regime`` (every step but each run's first), else the assumed one."""
-    steps = [s for r in rows if r["regime"] == regime for s in r["seconds"][1:] if s is not None]
-    return statistics.median(steps) if steps else REGIMES[regime][3]
+    """The step time of ``regime`` on a quiet machine: the quietest run's median step (every step but its first;
+    other work beside a run only slows it), else the assumed one."""
+    paces = [statistics.median(steps) for r in rows if r["regime"] == regime
+             for steps in [[s for s in r["seconds"][1:] if s is not None]] if steps]
+    return min(paces) if paces else REGIMES[regime][3]
 
 
 def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: list[dict]) -> str:

@@ -212,3 +212,14 @@ def test_mechanism_lines_by_hand(verdicts):
                            "-0.100")  # the same −0.1 on both seeds: a zero-width interval
     assert "lag_gate removes 10.0 % of the |A| mass, 50 % of its removed tokens with A > 0, 10.0 % of sequences" in line
     assert "fixed_drop removes 20.0 % of the |A| mass" in line
+
+
+def test_budget_takes_the_quietest_runs_pace(verdicts):
+    rows = [{"regime": "fp32", "seconds": [100.0, 10.0, 12.0, 14.0]},  # median of steps 2.. : 12 s
+            {"regime": "fp32", "seconds": [100.0, 20.0, None, 20.0]}]  # 20 s (work beside it)
+    assert verdicts.seconds_per_step(rows, "fp32") == 12.0
+    assert verdicts.seconds_per_step(rows, "fp16") == verdicts.REGIMES["fp16"][3]  # nothing measured: the assumed pace
+    left = [("fp32", 1, "standard"), ("fp32", 1, "bypass"), ("fp16", 0, "standard")]
+    # (40·12 + 60) · 2 + (40·22 + 60) = 2020 s = 0.56 h
+    assert verdicts.budget_line(["fp32", "fp16"], left, 40, rows) == (
+        "about 0.6 CPU hours left (fp32: 2 at 12.0 s/step, fp16: 1 at 22.0 s/step)")
