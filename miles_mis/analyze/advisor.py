@@ -351,7 +351,7 @@ def recommend(statistics: dict, results: dict) -> Recommendation:
     if agreeing is not None:
         name = _cheapest_truncate(eligible)
         if name is not None:
-            reasons.append(f"{agreeing}: the engine agrees with the trainer, so the cheapest correction is enough: "
+            reasons.append(f"{agreeing} the engine agrees with the trainer, so the cheapest correction is enough: "
                            f"{name} ({_numbers(eligible[name])})")
             return _chosen(name, eligible[name], reasons)
 
@@ -372,8 +372,12 @@ def _agreeing_engine(statistics: dict) -> str | None:
     tails = (statistics.get("fraction_ratio_above_2") or 0.0) + (statistics.get("fraction_ratio_below_half") or 0.0)
     if k3 is None or k3 >= AGREE_K3 or tails >= TAIL_LIMIT or (statistics.get("catastrophic_fraction") or 0.0) > 0:
         return None
+    if statistics.get("identical_fraction") == 1.0:  # bypass dumps the rollout log-probs as π_old: k3 = 0 by design
+        return ("π_old equals the rollout log-probs bit for bit on every token: either a bypass-mode dump "
+                "(--use-rollout-logprobs), which hides the mismatch and makes this advice unfounded, or trainer and "
+                "engine are bit-identical, and then")
     return (f"token k3 = {_num(k3)} is below {_num(AGREE_K3)} and only {_pct(tails)} of the token ratios leave "
-            f"[0.5, 2] (limit {_pct(TAIL_LIMIT)})")
+            f"[0.5, 2] (limit {_pct(TAIL_LIMIT)}):")
 
 
 def _cheapest_truncate(eligible: dict) -> str | None:

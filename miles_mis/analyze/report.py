@@ -189,7 +189,7 @@ def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
 
 def _safe_level_section(statistics: Mapping[str, Any]) -> list[str]:
     """This dump's k3 against the mismatch measured safe on a real model (``safe_level``), when one is shipped."""
-    text = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
+    text = _safe_level.for_dump(statistics, _safe_level.load())
     return [] if text is None else ["## Is this mismatch safe?", "", text, ""]
 
 
@@ -452,7 +452,7 @@ def to_json(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, re
         out.setdefault(key, [] if key.startswith("by_") else None)
     out["k3_context"] = k3_context(statistics)
     out["trend_sentence"] = trend_sentence(statistics)
-    out["safe_level"] = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
+    out["safe_level"] = _safe_level.for_dump(statistics, _safe_level.load())
     out["candidates"] = _jsonable(dict(results or {}))
     out["recommendation"] = _recommendation_json(recommendation)
     return out
@@ -492,7 +492,7 @@ def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | Non
              f"max |Δ log p| = {fmt(statistics.get('max_abs_log_ratio'))}",
              f"non-finite log-probs: {fmt(statistics.get('nonfinite_fraction'))} of valid tokens",
              trend_sentence(statistics)]
-    safe = _safe_level.sentence(statistics.get("k3"), _safe_level.load())
+    safe = _safe_level.for_dump(statistics, _safe_level.load())
     if safe is not None:
         lines.append(safe)
     first = f" ({reasons[0]})" if reasons else ""

@@ -9,6 +9,10 @@ PPO with a 95 % interval, and from those two levels:
 - ``matters_at``: the first (smallest-k3) regime where one did, and which correction.
 
 ``sentence`` places a dump's k3 against them. Without the file (no measurement shipped) it says nothing.
+``for_dump`` does so for a dump's statistics, except where π_old equals the rollout log-probs bit for bit on every
+token: a dump written in bypass mode (``--use-rollout-logprobs``: miles dumps the rollout log-probs as π_old) shows
+k3 = 0 whatever the engine, so nothing about safety can be read from it, and it says so (with what bypass cost where
+it was measured).
 """
 
 from __future__ import annotations
@@ -59,3 +63,22 @@ def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
     return (f"Between the measured levels: k3 = {k3:.2e} lies between the safe level {low} and the first level where a "
             f"correction mattered, {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}), {where}. No "
             "measurement decides it: correct if unsure.")
+
+
+def for_dump(statistics: Mapping[str, Any], curve: Mapping[str, Any] | None) -> str | None:
+    """``sentence`` for a dump's statistics, or, when every usable token's π_old equals its rollout log-prob bit for
+    bit (``identical_fraction`` = 1), why its k3 = 0 says nothing (None without a curve)."""
+    if curve is None:
+        return None
+    if statistics.get("identical_fraction") != 1.0:
+        return sentence(statistics.get("k3"), curve)
+    text = ("Not readable from this dump: π_old equals the engine's log-probs bit for bit on every token. That is a "
+            "dump written in bypass mode (--use-rollout-logprobs: miles dumps the rollout log-probs as π_old), where "
+            "k3 = 0 whatever the engine, unless trainer and engine are bit-identical (a true on-policy setup). Dump "
+            "one step without --use-rollout-logprobs to measure the mismatch.")
+    lost = curve["levels"].get("bypass", {}).get("matters_at")
+    if lost is not None:
+        text += (f" Bypass itself was measured on {curve['model']} ({curve['engine']}; {curve['docs']}): at k3 = "
+                 f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat it by {lost['mean']:+.3f} reward "
+                 f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds.")
+    return text

@@ -51,7 +51,7 @@ CATASTROPHIC = 1e-4  # ρ below this: a catastrophic token (the veto's usual thr
 # token sums of the whole dump (float64 accumulators, by name)
 _TOTALS = ("valid", "usable", "nonfinite", "nonfinite_engine", "nonfinite_trainer", "sum_k1", "sum_k3",
            "sum_chi2", "sum_abs", "above_2", "below_half", "catastrophic", "sequences", "sequences_usable",
-           "sequences_outside", "sum_response_length")
+           "sequences_outside", "sum_response_length", "identical")
 # per-bucket sums: tokens, Σ k3, Σ k1, Σ |ℓ|
 _BUCKET_SUMS = 4
 
@@ -112,6 +112,7 @@ class StatisticsAccumulator:
         t["above_2"] += float((ratio > 2).sum())
         t["below_half"] += float((ratio < 0.5).sum())
         t["catastrophic"] += float((ratio < CATASTROPHIC).sum())
+        t["identical"] += float((ell == 0).sum())  # bit for bit: bypass dumps the rollout log-probs as π_old
         t["sequences"] += len(batch.calls)
         t["sum_response_length"] += float(sum(batch.response_lengths))
         if ell.numel():
@@ -192,6 +193,7 @@ class StatisticsAccumulator:
             "mean_abs_log_ratio": mean(t["sum_abs"]), "max_abs_log_ratio": self.max_abs if usable else None,
             "fraction_ratio_above_2": mean(t["above_2"]), "fraction_ratio_below_half": mean(t["below_half"]),
             "catastrophic_fraction": mean(t["catastrophic"]),
+            "identical_fraction": mean(t["identical"]),
             "seq_product_outside_half_two_fraction": (t["sequences_outside"] / t["sequences_usable"]
                                                       if t["sequences_usable"] else None),
             "mean_response_length": t["sum_response_length"] / t["sequences"] if t["sequences"] else 0.0,
