@@ -168,11 +168,13 @@ def left_here(cells: list[dict], rows: list[dict], seed_fields: tuple[str, ...],
     again here, whole). Grouped by the first rollout, it is the group of the last row this machine ran of that seed,
     else the largest group (assumed: a machine that reproduces another's first rollout continues its seed; its first
     run tells, and a run with another first rollout starts a group of its own, whose seed then runs whole)."""
-    wanted: dict[tuple, int] = {}
+    wanted: dict[tuple, set] = {}
     for cell in cells:
-        wanted[_key(cell, seed_fields)] = wanted.get(_key(cell, seed_fields), 0) + 1
+        wanted.setdefault(_key(cell, seed_fields), set()).add(_key(cell, cell_fields))
     groups = by_machine(rows, seed_fields, cell_fields, group_of)
-    complete = {key[:-1] for key, group in groups.items() if len(group) >= wanted.get(key[:-1], 0)}
+    # whole = one group holds every wanted cell of the seed (not merely as many rows: a subset asked for, e.g. one
+    # new algorithm, is not done because the seed's group holds others)
+    complete = {key[:-1] for key, group in groups.items() if wanted.get(key[:-1], set()) <= group.keys()}
     mine: dict[tuple, object] = {}
     for seed in wanted:
         ran_here = [r for r in rows if _key(r, seed_fields) == seed and machine_of(r) == here]

@@ -110,7 +110,8 @@ SERIES = ("reward", "raw_k3", "response_length", "seconds", "mean_lag", "stale_k
 
 def cells(regimes, seeds: int | None = None, only=None):
     """(regime, seed, algorithm) in run order: regime by regime, then seed by seed; ``only`` keeps those algorithms
-    (each regime's own otherwise)."""
+    and the uncorrected references they pair with, standard and bypass (each regime's own otherwise)."""
+    only = None if only is None else set(only) | set(UNCORRECTED)
     for regime in regimes:
         _, algorithms, default_seeds, _ = REGIMES[regime]
         for seed in range(default_seeds if seeds is None else seeds):
@@ -446,7 +447,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: each regime's own: "
                         + ", ".join(f"{name} {spec[2]}" for name, spec in REGIMES.items()) + ")")
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=None,
-                        help="run only these algorithms of each regime (default: all of each regime's)")
+                        help="run only these algorithms of each regime, with standard and bypass that they pair with "
+                        "(default: all of each regime's)")
     parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_verdicts"), help="the runs' files "
                         "(default: runs/lab_verdicts)")

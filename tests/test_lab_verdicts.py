@@ -46,11 +46,12 @@ def test_run_order_is_seed_by_seed(verdicts):
     assert order[:len(algorithms)] == [("bf16 + fp8 weights", 0, a) for a in algorithms]
     assert order[len(algorithms)] == ("bf16 + fp8 weights", 1, "standard")
     assert len(list(verdicts.cells(verdicts.REGIMES))) == sum(s[2] * len(s[1]) for s in verdicts.REGIMES.values())
-    # --algorithms keeps the order and only the named algorithms, and only where a regime has them
-    only = list(verdicts.cells(["bf16 + fp8 weights", "fp32"], seeds=2, only=("bypass", "dppo_ppo")))
-    assert only == [("bf16 + fp8 weights", 0, "bypass"), ("bf16 + fp8 weights", 0, "dppo_ppo"),
-                    ("bf16 + fp8 weights", 1, "bypass"), ("bf16 + fp8 weights", 1, "dppo_ppo"),
-                    ("fp32", 0, "bypass"), ("fp32", 1, "bypass")]
+    # --algorithms keeps the order and the named algorithms with the references they pair with (standard, bypass),
+    # only where a regime has them
+    only = list(verdicts.cells(["bf16 + fp8 weights", "fp32"], seeds=2, only=("dppo_ppo", "seq_mis")))
+    fp8 = ["standard", "bypass", "seq_mis", "dppo_ppo"]
+    assert only == ([("bf16 + fp8 weights", 0, a) for a in fp8] + [("bf16 + fp8 weights", 1, a) for a in fp8]
+                    + [("fp32", s, a) for s in range(2) for a in ("standard", "bypass")])
 
 
 def _row(verdicts, algorithm, seed, rewards):
@@ -166,6 +167,25 @@ def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):
     rows = verdicts.read_results(results)
     chosen = one_machine_per_seed(rows, verdicts.SEED, verdicts.CELL)
     assert sorted((r["seed"], r["machine"]) for r in chosen) == [(0, "A"), (0, "A"), (0, "A"), (1, "A")]
+
+
+def test_a_new_algorithm_runs_on_seeds_whose_group_holds_others(verdicts, tmp_path):
+    """Asking for one algorithm a seed's group lacks runs it, though the group holds as many rows as asked for."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from lab_sweep import append_result
+
+    results = tmp_path / "rows.jsonl"
+    first = {"reward": [0.25], "raw_k3": [4e-2]}
+    for algorithm in ("standard", "bypass", "decoupled_tis"):
+        append_result(results, {"regime": "bf16 + fp8 weights", "seed": 0, "algorithm": algorithm, "steps": 40,
+                                "machine": "A", **first})
+    assert verdicts.todo(["bf16 + fp8 weights"], 1, 40, results, here="B", only=["bypass_wide_clip"]) == [
+        ("bf16 + fp8 weights", 0, "bypass_wide_clip")]
+    # B's kernels give another first rollout: the references it pairs with run there too
+    append_result(results, {"regime": "bf16 + fp8 weights", "seed": 0, "algorithm": "bypass_wide_clip", "steps": 40,
+                            "machine": "B", "reward": [0.5], "raw_k3": [4e-2]})
+    assert verdicts.todo(["bf16 + fp8 weights"], 1, 40, results, here="B", only=["bypass_wide_clip"]) == [
+        ("bf16 + fp8 weights", 0, "standard"), ("bf16 + fp8 weights", 0, "bypass")]
 
 
 def test_a_seed_continues_where_its_first_rollout_is_reproduced(verdicts, tmp_path):
