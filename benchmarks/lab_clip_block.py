@@ -13,7 +13,11 @@ class of tokens, bypass learns that class one-sidedly. Per seed this runs one st
 (rank 0, call 0: the first minibatch) and sums, per class of tokens, their count, Σℓ, how many have r > 1 + ε and
 r < 1 − ε, how many are blocked at ε = 0.2 and 0.5, and Σ of the trainer's and the engine's probability. The classes:
 every token, the stop token (the last token of a response shorter than the cap, ``--max-new-tokens``: the engine
-stopped on it), the stop token of a response with A > 0 and with A < 0, and every other token. Rows go to
+stopped on it), the stop token of a response with A > 0 and with A < 0, and every other token. The same tokens give
+DPPO's directional mask (``token_dtv: [−0.2, 0.2]`` on p − q, the sweep's ``dppo_ppo`` and ``prime_rl`` cells, which
+at the first minibatch compare the same π_θ = π_old with μ): what it removes per class, the advantage sign of what it
+removes, and their share of the gradient weight |A|·w inside decoupled PPO (w = min(r, 2)) and in prime-rl's
+REINFORCE (w = r). Rows go to
 benchmarks/results/lab_clip_block.jsonl (a seed already there is skipped); the table pools them.
 """
 
@@ -35,6 +39,7 @@ from lab_verdicts import REGIMES, argv_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_clip_block.jsonl"
 EPSILONS = (0.2, 0.5)
+DPPO_DELTA = 0.2  # the sweep's dppo_ppo and prime_rl cells (lab_verdicts.PRIME_RL)
 CLASSES = ("every token", "stop token", "stop token, A > 0", "stop token, A < 0", "other tokens")
 
 
@@ -60,9 +65,22 @@ def first_minibatch_tokens(dump: dict, cap: int) -> dict[str, Tensor]:
     return {key: torch.cat(values) for key, values in parts.items()}
 
 
+def dppo_removed(train_prob: Tensor, rollout_prob: Tensor, advantages: Tensor, delta: float) -> Tensor:
+    """DPPO's directional TV mask (``token_dtv: [−δ, δ]``): the tokens it takes out of the loss,
+    (A > 0 and p − q > δ) or (A < 0 and p − q < −δ), with p the trainer's and q the engine's probability."""
+    gap = train_prob - rollout_prob
+    return ((advantages > 0) & (gap > delta)) | ((advantages < 0) & (gap < -delta))
+
+
 def class_sums(tokens: dict[str, Tensor]) -> dict[str, dict[str, float]]:
-    """Per class (CLASSES): sums that pool over seeds by addition (``table`` divides them)."""
+    """Per class (CLASSES): sums that pool over seeds by addition (``table`` divides them). Besides the clip's counts,
+    DPPO's mask at δ = DPPO_DELTA: the tokens it removes, those with A > 0, and the gradient weight |A|·w of the
+    removed and of all tokens in its two forms: inside decoupled PPO with token TIS (w = min(r, 2); the PPO ratio is 1
+    at the first minibatch) and in prime-rl's REINFORCE by the raw π_θ/μ (w = r)."""
     ell, adv, stop = tokens["log_ratio"], tokens["advantages"], tokens["stop"]
+    removed = dppo_removed(tokens["train_prob"], tokens["rollout_prob"], adv, DPPO_DELTA)
+    ratio = ell.exp()
+    weights = {"ppo": adv.abs() * ratio.clamp(max=2.0), "reinforce": adv.abs() * ratio}
     selections = {"every token": torch.ones_like(stop), "stop token": stop, "stop token, A > 0": stop & (adv > 0),
                   "stop token, A < 0": stop & (adv < 0), "other tokens": ~stop}
     out = {}
@@ -74,6 +92,11 @@ def class_sums(tokens: dict[str, Tensor]) -> dict[str, dict[str, float]]:
             sums[f"above_{eps}"] = int((chosen & (ell > math.log1p(eps))).sum())
             sums[f"below_{eps}"] = int((chosen & (ell < math.log1p(-eps))).sum())
             sums[f"blocked_{eps}"] = int((chosen & blocked(ell, adv, eps)).sum())
+        sums["dppo_removed"] = int((chosen & removed).sum())
+        sums["dppo_removed_positive"] = int((chosen & removed & (adv > 0)).sum())
+        for form, weight in weights.items():
+            sums[f"{form}_weight"] = float(weight[chosen].sum())
+            sums[f"{form}_weight_removed"] = float(weight[chosen & removed].sum())
         out[name] = sums
     return out
 
@@ -97,6 +120,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dppo_table(rows: list[dict]) -> str:
+    """DPPO's mask on the pooled sums of ``rows``: per class, the share of its tokens removed, how many of those have
+    A > 0, and the removed tokens' gradient weight as a share of every token's, inside PPO and in REINFORCE."""
+    every = {key: sum(r["classes"]["every token"][key] for r in rows) for key in ("ppo_weight", "reinforce_weight")}
+    lines = [f"| {len(rows)} seeds, first minibatch, δ = {DPPO_DELTA} | tokens | removed | removed with A > 0 | "
+             "gradient weight removed, of all: PPO + TIS | REINFORCE π_θ/μ |", "|" + "---|" * 6]
+    for name in CLASSES:
+        pooled = {key: sum(r["classes"][name][key] for r in rows) for key in rows[0]["classes"][name]}
+        n, gone = pooled["tokens"], pooled["dppo_removed"]
+        lines.append(f"| {name} | {n} | {gone / n if n else 0:.3f} | {pooled['dppo_removed_positive']}/{gone} | "
+                     f"{pooled['ppo_weight_removed'] / every['ppo_weight']:.3f} | "
+                     f"{pooled['reinforce_weight_removed'] / every['reinforce_weight']:.3f} |")
+    return "\n".join(lines)
+
+
 def measure(regime: str, seed: int, cap: int) -> dict:
     """One step of the sweep's bypass cell with dumps: the row of ``seed`` (its first rollout's fingerprint too)."""
     import json
@@ -114,6 +152,12 @@ def measure(regime: str, seed: int, cap: int) -> dict:
             "first_raw_k3": step["raw_k3"], "cap": cap, "classes": class_sums(first_minibatch_tokens(dump, cap))}
 
 
+def current(row: dict) -> bool:
+    """Whether ``row`` holds every sum ``class_sums`` writes (rows written before DPPO's were added are measured again
+    and the new row read; the old stays in the file)."""
+    return "dppo_removed" in row["classes"]["every token"]
+
+
 def main() -> None:
     from miles_mis.lab.smollm_policy import DEFAULT_MAX_NEW_TOKENS
 
@@ -123,14 +167,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default: 3)")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
     args = parser.parse_args()
-    done = {r["seed"] for r in read_results(args.results) if r["regime"] == args.regime}
+    done = {r["seed"] for r in read_results(args.results) if r["regime"] == args.regime and current(r)}
     for seed in range(args.seeds):
         if seed in done:
             continue
         print(f"clip-block: {args.regime} seed {seed} ({seed + 1}/{args.seeds})", file=sys.stderr, flush=True)
         append_result(args.results, measure(args.regime, seed, DEFAULT_MAX_NEW_TOKENS))
-    rows = [r for r in read_results(args.results) if r["regime"] == args.regime and r["seed"] < args.seeds]
-    print(f"{args.regime}, bypass, SmolLM2-135M on vLLM:\n\n{table(rows)}" if rows else "no rows")
+    rows = [r for r in read_results(args.results) if r["regime"] == args.regime and r["seed"] < args.seeds
+            and current(r)]
+    print(f"{args.regime}, bypass, SmolLM2-135M on vLLM:\n\n{table(rows)}\n\n{dppo_table(rows)}" if rows
+          else "no rows")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,30 @@ def test_class_sums_by_hand(clip_block):
     assert table.startswith("| 2 seeds (0, 1), first minibatch |")
 
 
+def test_dppo_sums_by_hand(clip_block):
+    """DPPO's mask at δ = 0.2 on the hand-made dump plus a stop token the engine underweights: p = 0.9, ℓ = 1
+    (q = 0.9/e = 0.331, r = e), A > 0: removed, with weight min(e, 2) = 2 inside PPO and e in REINFORCE."""
+    dump = _dump()
+    dump["samples"].append(_sample([0.9], [1.0], 1.0))
+    sums = clip_block.class_sums(clip_block.first_minibatch_tokens(dump, cap=4))
+    # q = p·e^−ℓ; p − q: response 0 (A > 0): 0, −0.130, +0.156 (none above 0.2); response 1 (A < 0): +0.038, −0.105,
+    # −0.245 (removed); the new stop token +0.569 (removed)
+    every, stop = sums["every token"], sums["stop token, A > 0"]
+    assert (every["dppo_removed"], every["dppo_removed_positive"]) == (2, 1)
+    assert (stop["tokens"], stop["dppo_removed"], sums["other tokens"]["dppo_removed"]) == (2, 1, 1)
+    ratios = [1.0, math.exp(-0.5), math.exp(0.3), math.exp(0.1), math.exp(-0.3), math.exp(-0.8)]
+    assert every["ppo_weight"] == pytest.approx(sum(ratios) + 2.0, abs=1e-5)
+    assert every["reinforce_weight"] == pytest.approx(sum(ratios) + math.e, abs=1e-5)
+    assert every["ppo_weight_removed"] == pytest.approx(math.exp(-0.8) + 2.0, abs=1e-5)
+    assert every["reinforce_weight_removed"] == pytest.approx(math.exp(-0.8) + math.e, abs=1e-5)
+    table = clip_block.dppo_table([{"seed": 0, "classes": sums}])
+    ppo_share = (math.exp(-0.8) + 2.0) / (sum(ratios) + 2.0)
+    reinforce_share = (math.exp(-0.8) + math.e) / (sum(ratios) + math.e)
+    assert f"| every token | 7 | {2 / 7:.3f} | 1/2 | {ppo_share:.3f} | {reinforce_share:.3f} |" in table
+    assert f"| stop token, A > 0 | 2 | 0.500 | 1/1 | {2 / (sum(ratios) + 2):.3f} |" in table
+    assert "| stop token, A < 0 | 0 | 0.000 | 0/0 | 0.000 | 0.000 |" in table
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(-3, 3), st.sampled_from([-1.0, 0.0, 2.0])), min_size=1, max_size=30),
        st.floats(0.01, 0.9), st.floats(0.01, 0.9))
