@@ -150,6 +150,28 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     assert "(the largest: 1.30e-03, bf16)" in safe_level.sentence(1e-1, safe_level.load(path))
 
 
+def test_the_analyzer_names_bypass_where_bypass_lost(verdicts, tmp_path):
+    """Standard PPO safe at fp8 while a correction beat bypass there (what the sweep measured): a dump at that k3 is
+    safe for standard PPO and told that bypass lost; one below it is not told about bypass."""
+    from miles_mis.analyze import safe_level
+
+    rows = (_regime_rows(verdicts, "bf16", 1.3e-3, {"standard": [0.7, 0.75], "bypass": [0.71, 0.74],
+                                                    "decoupled_tis": [0.74, 0.7]})
+            + _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                           {"standard": [0.5, 0.55, 0.6], "bypass": [0.2, 0.25, 0.2],
+                            "decoupled_tis": [0.52, 0.53, 0.6]}))
+    path = tmp_path / "curve.json"
+    verdicts.write_curve(verdicts.curve(rows), rows, path)
+    curve = safe_level.load(path)
+    at_fp8 = safe_level.sentence(4e-2, curve)
+    # over bypass at fp8: +0.32, +0.28, +0.4: mean 0.3333, sd 0.0611, half-width t(2) 4.303·0.0611/√3 = 0.1518
+    assert at_fp8.startswith("Safe by measurement: k3 = 4.00e-02 is at or below 4.00e-02 (bf16 + fp8 weights)")
+    assert at_fp8.endswith("Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
+                           "4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.333 reward [+0.182, +0.485] "
+                           "over 3 seeds; recompute π_old, or use decoupled_tis.")
+    assert "bypass" not in safe_level.sentence(1e-3, curve)
+
+
 def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from lab_sweep import append_result, one_machine_per_seed

@@ -34,11 +34,22 @@ def load(path: Path | None = None) -> dict | None:
 
 
 def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
-    """Where ``k3`` lies against the measured levels for standard PPO, in one or two sentences; None without a curve
-    or a finite k3."""
+    """Where ``k3`` lies against the measured levels for standard PPO, in one or two sentences, and, at or above the
+    level where a correction beat bypass, that bypass lost there; None without a curve or a finite k3."""
     if curve is None or k3 is None or not math.isfinite(float(k3)):
         return None
-    k3 = float(k3)
+    text = _standard_sentence(float(k3), curve)
+    lost = curve["levels"].get("bypass", {}).get("matters_at")
+    if text is None or lost is None or float(k3) < lost["k3"]:
+        return text
+    return (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
+            f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat bypass by {lost['mean']:+.3f} reward "
+            f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old, or use "
+            f"{lost['correction']}.")
+
+
+def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
+    """``sentence``'s reading against standard PPO's levels."""
     level = curve["levels"]["standard"]
     safe, matters = level.get("safe_below"), level.get("matters_at")
     where = (f"measured on {curve['model']} ({curve['engine']}, paired RL runs of {curve['steps']} steps; "
