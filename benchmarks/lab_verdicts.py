@@ -398,6 +398,19 @@ def _ratio_of_means(cell: dict[int, dict], numerator: str, denominator: str) -> 
     return sum(top) / sum(bottom) if top and bottom and sum(bottom) > 0 else math.nan
 
 
+RESPONSE_CAP = 24  # the real model's response budget (--max-new-tokens' default)
+
+
+def _response_lengths(cell: dict[int, dict]) -> str:
+    """The mean response length over the last 10 steps, and the steps whose every response ran to the cap: the
+    bypass mechanism's prediction (a policy that stops learning to stop sits at the cap)."""
+    lengths = [r.get("response_length") or [] for r in cell.values()]
+    at_cap = sum(sum(1 for v in run if v is not None and v >= RESPONSE_CAP - 1e-6) for run in lengths)
+    steps = sum(len(run) for run in lengths)
+    return (f"responses {_shown(_mean(_mean(run[-10:]) for run in lengths if run), '.1f')} tokens over the last 10 "
+            f"steps, all at the {RESPONSE_CAP}-token cap on {at_cap} of {steps} steps")
+
+
 def mechanism_lines(rows: list[dict]) -> list[str]:
     """Per mechanism with both cells paired on ≥ 2 seeds: the paired reward difference, and what each removed
     (its share of the |A| mass and the share of it with A > 0) or how many tokens its PPO ratio put outside the clip
@@ -416,7 +429,8 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
                      "of sequences as stale" for name, cell in ((algorithm, a), (other, b))]
         else:
             parts = [f"{name}: {_shown(100 * _mean(_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
-                     "the clip range at the first minibatch" for name, cell in ((algorithm, a), (other, b))]
+                     f"the clip range at the first minibatch, {_response_lengths(cell)}"
+                     for name, cell in ((algorithm, a), (other, b))]
         lines.append(f"- {regime}, {question}: {verdict(algorithm, other, diff)}; " + "; ".join(parts))
     return lines
 

@@ -256,6 +256,26 @@ def test_mechanism_lines_by_hand(verdicts):
     assert "fixed_drop removes 20.0 % of the |A| mass" in line
 
 
+def test_the_clip_mechanism_line_reads_the_clip_share_and_the_response_lengths_by_hand(verdicts):
+    rows = []
+    for seed in range(2):
+        # bypass: 20 steps, the last 12 at the 24-token cap; the wide clip: 20 and 22 tokens, never at the cap
+        bypass = _row(verdicts, "bypass", seed, [0.3] * 10 + [0.2] * 10)
+        bypass.update(regime="bf16 + fp8 weights", first_minibatch_ppo_ratio_outside_clip=[0.3] * 20,
+                      response_length=[16.0] * 8 + [24.0] * 12)
+        wide = _row(verdicts, "bypass_wide_clip", seed, [0.3] * 10 + [0.4 + 0.1 * seed] * 10)
+        wide.update(regime="bf16 + fp8 weights", first_minibatch_ppo_ratio_outside_clip=[0.05] * 20,
+                    response_length=[16.0] * 10 + [20.0 + 2 * seed] * 10)
+        rows += [bypass, wide]
+    line, = verdicts.mechanism_lines(rows)
+    assert line.startswith("- bf16 + fp8 weights, bypass: does the clip range explain its failure?: bypass_wide_clip "
+                           "vs bypass: no resolvable difference at 2 seeds (+0.250")
+    assert ("bypass_wide_clip: 5.0 % of tokens outside the clip range at the first minibatch, responses 21.0 tokens "
+            "over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in line
+    assert ("bypass: 30.0 % of tokens outside the clip range at the first minibatch, responses 24.0 tokens over the "
+            "last 10 steps, all at the 24-token cap on 24 of 40 steps") in line
+
+
 def test_budget_takes_the_quietest_runs_pace(verdicts):
     rows = [{"regime": "fp32", "seconds": [100.0, 10.0, 12.0, 14.0]},  # median of steps 2.. : 12 s
             {"regime": "fp32", "seconds": [100.0, 20.0, None, 20.0]}]  # 20 s (work beside it)
