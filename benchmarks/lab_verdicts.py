@@ -365,6 +365,43 @@ def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
+# production k3 as published (docs/lab.md, the atlas' table), drawn on the curve for scale
+PUBLISHED_K3 = ((2.7e-5, "miles issue 2722 (aligned)"), (7e-4, "miles PR 2870"), (1e-3, "NeMo-RL: normal"))
+
+
+def curve_figure(points: list[dict], path: Path) -> None:
+    """The safe-mismatch curve: per regime, the best correction's paired gain over standard PPO and over bypass
+    (mean, bar = 95 % interval) against standard PPO's raw k3 on a log axis, each point named by its regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for offset, uncorrected in zip((1.0, 1.15), UNCORRECTED):  # bypass's points a little right, so bars stay apart
+        shown = [(p["k3"] * offset, p["gaps"][uncorrected]) for p in points if uncorrected in p["gaps"]]
+        if not shown:
+            continue
+        xs, gaps = zip(*shown)
+        ax.errorbar(xs, [g["mean"] for g in gaps], yerr=[[g["mean"] - g["low"] for g in gaps],
+                                                        [g["high"] - g["mean"] for g in gaps]],
+                    fmt="o", capsize=3, label=f"best correction − {uncorrected}")
+    for point in points:
+        ax.annotate(point["regime"], (point["k3"], 0), textcoords="offset points", xytext=(2, -14), fontsize=6,
+                    rotation=-30)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    for k3, source in PUBLISHED_K3:
+        ax.axvline(k3, color="grey", lw=0.8, ls=":")
+        ax.annotate(source, (k3, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=6, rotation=-90, va="top", color="grey")
+    ax.set(xscale="log", xlabel="k3 (standard PPO's raw: trainer π_old against the engine)",
+           ylabel="last-10-step reward gain", title="SmolLM2-135M: what a correction gains, by mismatch (95 % CI)")
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def curve_table(points: list[dict]) -> str:
     lines = ["| regime | k3 (standard's raw) | best over standard [95 % CI] | best over bypass [95 % CI] |",
              "|---|---|---|---|"]
@@ -450,6 +487,9 @@ def tables(rows: list[dict], figures: Path | None) -> str:
     out += [f"- {level_sentence(safe_level(points, uncorrected))}" for uncorrected in UNCORRECTED]
     if points:
         write_curve(points, rows)
+        if figures is not None:
+            curve_figure(points, figures / "lab_verdicts_safe_mismatch.png")
+            out.append("(figure: docs/figures/lab_verdicts_safe_mismatch.png)\n")
     return "\n".join(out)
 
 
