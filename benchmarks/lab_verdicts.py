@@ -28,7 +28,9 @@ interval excludes 0. Also per cell: the steps to a 5-step mean reward of LEVEL, 
 Mechanism runs (fp8 only): bypass and standard PPO with the clip widened to ε = 0.5 (ln 1.5 = 0.41, above the mean
 |ℓ| of 0.19 under fp8): if bypass fails because the engine's error puts its tokens outside PPO's clip range before
 any update, widening the clip restores it, and every run records that share at each step's first minibatch
-(``first_minibatch_ppo_ratio_outside_clip``).
+(``first_minibatch_ppo_ratio_outside_clip``). Standard PPO with ε = 0.5 is the control (does the wider clip cost
+reward by itself?), and bypass with no clip at all (ε = 1000, ``bypass_no_clip``: the loss is r·A, nothing blocked)
+the dose-response end.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ ALGORITHMS = {  # name -> (host flags, mis.yaml)
     "dppo_ppo": (["--use-tis"], {**TOKEN_TIS, "rs_divergence": {"token_dtv": [-0.2, 0.2]}}),
     "bypass_wide_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
     "standard_wide_clip": (["--get-mismatch-metrics", "--eps-clip", "0.5"], {}),
+    # no clip at all (ε = 1000: r never leaves [1 − ε, 1 + ε]): the PPO loss is then r·A, the policy gradient
+    # importance-weighted by π_θ/μ, so nothing is blocked; the dose-response end of the clip hypothesis
+    "bypass_no_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "1000"], {}),
 }
 CURVE = ("standard", "bypass", "decoupled_tis")  # the regimes that only place a point on the safe-mismatch curve
 CORRECTIONS = ("decoupled_tis", "seq_mis", "ratio_mask", "prime_rl", "auto_bound", "batch_gate", "lag_bound",
@@ -91,7 +96,8 @@ COMMON = ("standard", "bypass", "decoupled_tis", "seq_mis", "ratio_mask", "prime
 ASYNC = ("lag_bound", "fixed_drop", "lag_gate")
 REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before any row of it is measured)
     "bf16 + fp8 weights": (["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-                           COMMON + ("dppo_ppo", "bypass_wide_clip", "standard_wide_clip"), 4, 15.0),
+                           COMMON + ("dppo_ppo", "bypass_wide_clip", "standard_wide_clip", "bypass_no_clip"), 4,
+                           15.0),
     "async lags 0..2": (["--rollout-dtype", "bf16", "--async-max-lag", "2"], COMMON + ASYNC, 4, 5.0),
     "bf16": (["--rollout-dtype", "bf16"], COMMON, 2, 5.0),
     "bf16, top-p 0.9 processed": (["--rollout-dtype", "bf16", "--rollout-top-p", "0.9",
@@ -420,6 +426,8 @@ MECHANISMS = (  # (regime, question, algorithm, its comparison, what to read of 
     ("bf16 + fp8 weights", "bypass: does the clip range explain its failure?", "bypass_wide_clip", "bypass",
      "first_minibatch_ppo_ratio_outside_clip"),
     ("bf16 + fp8 weights", "widening the clip alone (the control)", "standard_wide_clip", "standard",
+     "first_minibatch_ppo_ratio_outside_clip"),
+    ("bf16 + fp8 weights", "bypass without a clip: is any clip the mechanism?", "bypass_no_clip", "bypass",
      "first_minibatch_ppo_ratio_outside_clip"),
     ("bf16 + fp8 weights", "DPPO's mask: inside decoupled PPO against its REINFORCE form", "dppo_ppo", "prime_rl",
      "removed"),
