@@ -110,3 +110,17 @@ def call_plugin(cfg, train, rollout, masks, pg_loss=None):
 @pytest.fixture
 def repo_root():
     return REPO
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ on the path for its own sibling imports)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    spec = importlib.util.spec_from_file_location(name, benchmarks / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

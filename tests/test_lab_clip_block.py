@@ -1,8 +1,6 @@
 """benchmarks/lab_clip_block.py: PPO-clip's blocked tokens and the per-class sums of a hand-made dump, by hand."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,16 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def clip_block():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("lab_clip_block", REPO / "benchmarks" / "lab_clip_block.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("lab_clip_block")
 
 
 def _sample(train_probs, log_ratio, advantage, mask=None):

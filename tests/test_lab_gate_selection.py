@@ -1,23 +1,17 @@
 """benchmarks/lab_gate_selection.py: the random gate's coin (the gate's granularity without its k3) and the rates it
 takes from the real gate's run, by hand; one short run of each cell end to end."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def selection():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("lab_gate_selection", REPO / "benchmarks" / "lab_gate_selection.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("lab_gate_selection")
 
 
 def test_the_coin_rejects_a_stale_lag_whole_and_never_a_fresh_one(selection):

@@ -1,23 +1,20 @@
 """benchmarks/lab_verdicts.py: every run of the sweep parses as the lab would run it (a bad key would stop the sweep
 hours in), the run order leaves whole paired sets, and the tables compute the paired verdicts by hand."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import load_benchmark
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("lab_verdicts", REPO / "benchmarks" / "lab_verdicts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("lab_verdicts")
 
 
 def test_every_run_parses_with_its_config(verdicts, tmp_path):
