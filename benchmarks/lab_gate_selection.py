@@ -40,7 +40,7 @@ from lab_async import ALGORITHMS, BASE, PLUGIN, SCHEDULES  # noqa: E402
 from lab_sweep import append_result, read_results  # noqa: E402
 
 from miles_mis import staleness  # noqa: E402
-from miles_mis.lab.evidence import paired_difference, verdict  # noqa: E402
+from miles_mis.lab.evidence import last_mean, paired_difference, verdict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_gate_selection.jsonl"
 SCHEDULE = "mixed lags 0..3"
@@ -62,6 +62,14 @@ def random_stale_rejections(lags: torch.Tensor, max_lag: int, keep: dict[int, fl
 def gate_keep_rates(row: dict) -> dict[int, float]:
     """The share of each stale lag's tokens the real gate kept over its run (from its per-step metrics)."""
     return {lag: 1.0 - row["rejected"][bucket] for lag, bucket in BUCKETS.items()}
+
+
+def rejected_share(history: list[dict], bucket: str) -> float:
+    """A lag bucket's rejected share over a run, token-weighted: Σ_t f_t r_t / Σ_t f_t with f the bucket's token
+    fraction and r its rejected fraction at step t (a step without that lag reports 0 for both)."""
+    weights = [r.get(f"mis_lag_{bucket}_token_fraction") or 0.0 for r in history]
+    rejected = [r.get(f"mis_lag_{bucket}_rejected_fraction") or 0.0 for r in history]
+    return sum(w * x for w, x in zip(weights, rejected)) / max(sum(weights), 1e-30)
 
 
 def run_one(algorithm: str, seed: int, steps: int, out_dir: Path, keep: dict[int, float] | None) -> dict:
@@ -88,12 +96,8 @@ def run_one(algorithm: str, seed: int, steps: int, out_dir: Path, keep: dict[int
     mean = lambda key: statistics.mean(r.get(key) or 0.0 for r in history)  # noqa: E731
     return {"algorithm": algorithm, "seed": seed, "steps": steps, "seconds": time.perf_counter() - started,
             "reward": [r["reward"] for r in history], "keep": keep,
-            # a bucket's rejected share over the run, token-weighted (a step without that lag reports 0 for it)
-            "rejected": {b: sum((r.get(f"mis_lag_{b}_token_fraction") or 0.0) * (r.get(f"mis_lag_{b}_rejected_fraction")
-                                                                                  or 0.0) for r in history)
-                         / max(sum(r.get(f"mis_lag_{b}_token_fraction") or 0.0 for r in history), 1e-30)
-                         for b in ("0", "1", "2", "3plus")},
-            "lag_k3": {b: mean(f"mis_lag_{b}_k3") for b in ("0", "1", "2", "3plus")},
+            "rejected": {b: rejected_share(history, b) for b in staleness.BUCKETS},
+            "lag_k3": {b: mean(f"mis_lag_{b}_k3") for b in staleness.BUCKETS},
             "removed_token_fraction": mean("removed_token_fraction"),
             "removed_abs_advantage_share": sum(r["removed_abs_advantage"] for r in history)
             / max(sum(r["abs_advantage"] for r in history), 1e-30)}
@@ -101,7 +105,7 @@ def run_one(algorithm: str, seed: int, steps: int, out_dir: Path, keep: dict[int
 
 def table(rows: list[dict]) -> str:
     cells = {a: {r["seed"]: r for r in rows if r["algorithm"] == a} for a in ORDER}
-    score = lambda r: statistics.mean(r["reward"][-10:])  # noqa: E731
+    score = lambda r: last_mean(r["reward"])  # noqa: E731
     steps = rows[0]["steps"] if rows else 0
     lines = [f"| {SCHEDULE}, {steps} steps | seeds | last 10 steps | Δ vs lag_gate [95 % CI] | Δ vs fixed_drop | "
              "tokens removed | kept of lag 2, lag ≥ 3 |", "|---|---|---|---|---|---|---|"]
@@ -147,7 +151,7 @@ def main() -> None:
         append_result(args.results, row)
         rows.append(row)
         print(f"[{count}/{len(todo)}] {algorithm} seed {seed}: last 10 steps "
-              f"{statistics.mean(row['reward'][-10:]):.3f} ({row['seconds']:.0f} s)", flush=True)
+              f"{last_mean(row['reward']):.3f} ({row['seconds']:.0f} s)", flush=True)
     print(table(rows))
 
 

@@ -443,17 +443,17 @@ def _ratio_of_means(cell: dict[int, dict], numerator: str, denominator: str) -> 
     return sum(top) / sum(bottom) if top and bottom and sum(bottom) > 0 else math.nan
 
 
-RESPONSE_CAP = 24  # the real model's response budget (--max-new-tokens' default)
-
-
 def _response_lengths(cell: dict[int, dict]) -> str:
-    """The mean response length over the last 10 steps, and the steps whose every response ran to the cap: the
-    bypass mechanism's prediction (a policy that stops learning to stop sits at the cap)."""
+    """The mean response length over the last 10 steps, and the steps whose every response ran to the cap (the real
+    model's response budget, --max-new-tokens' default): the bypass mechanism's prediction (a policy that stops
+    learning to stop sits at the cap)."""
+    from miles_mis.lab.smollm_policy import DEFAULT_MAX_NEW_TOKENS as cap
+
     lengths = [r.get("response_length") or [] for r in cell.values()]
-    at_cap = sum(sum(1 for v in run if v is not None and v >= RESPONSE_CAP - 1e-6) for run in lengths)
+    at_cap = sum(sum(1 for v in run if v is not None and v >= cap - 1e-6) for run in lengths)
     steps = sum(len(run) for run in lengths)
     return (f"responses {_shown(_mean(_mean(run[-10:]) for run in lengths if run), '.1f')} tokens over the last 10 "
-            f"steps, all at the {RESPONSE_CAP}-token cap on {at_cap} of {steps} steps")
+            f"steps, all at the {cap}-token cap on {at_cap} of {steps} steps")
 
 
 def mechanism_lines(rows: list[dict]) -> list[str]:

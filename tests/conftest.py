@@ -115,10 +115,8 @@ def repo_root():
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (benchmarks/ on the path for its own sibling imports)."""
     import importlib.util
-    import sys
-    from pathlib import Path
 
-    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    benchmarks = REPO / "benchmarks"
     sys.path.insert(0, str(benchmarks))
     spec = importlib.util.spec_from_file_location(name, benchmarks / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
