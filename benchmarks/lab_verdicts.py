@@ -429,6 +429,8 @@ MECHANISMS = (  # (regime, question, algorithm, its comparison, what to read of 
      "first_minibatch_ppo_ratio_outside_clip"),
     ("bf16 + fp8 weights", "bypass without a clip: is any clip the mechanism?", "bypass_no_clip", "bypass",
      "first_minibatch_ppo_ratio_outside_clip"),
+    ("bf16 + fp8 weights", "DPPO's mask inside decoupled PPO: does it cost reward?", "dppo_ppo", "decoupled_tis",
+     "removed"),
     ("bf16 + fp8 weights", "DPPO's mask: inside decoupled PPO against its REINFORCE form", "dppo_ppo", "prime_rl",
      "removed"),
     ("async lags 0..2", "the lag gate against the fixed drop", "lag_gate", "fixed_drop", "removed"),
@@ -456,10 +458,15 @@ def _response_lengths(cell: dict[int, dict]) -> str:
             f"steps, all at the {cap}-token cap on {at_cap} of {steps} steps")
 
 
+def _has(cell: dict[int, dict], key: str) -> bool:
+    return any(r.get(key) for r in cell.values())
+
+
 def mechanism_lines(rows: list[dict]) -> list[str]:
     """Per mechanism with both cells paired on ≥ 2 seeds: the paired reward difference, and what each removed
     (its share of the |A| mass and the share of it with A > 0) or how many tokens its PPO ratio put outside the clip
-    range at the first minibatch."""
+    range at the first minibatch; with the response lengths where the rows have them (a policy that stops learning
+    to stop sits at the cap)."""
     lines = []
     for regime, question, algorithm, other, read in MECHANISMS:
         a, b = _cell(rows, regime, algorithm), _cell(rows, regime, other)
@@ -471,7 +478,8 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
             parts = [f"{name} removes {_shown(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
                      f"of the |A| mass, {_shown(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
                      f"of its removed tokens with A > 0, {_shown(100 * _mean(_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
-                     "of sequences as stale" for name, cell in ((algorithm, a), (other, b))]
+                     "of sequences as stale" + (f", {_response_lengths(cell)}" if _has(cell, "response_length") else "")
+                     for name, cell in ((algorithm, a), (other, b))]
         else:
             parts = [f"{name}: {_shown(100 * _mean(_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
                      f"the clip range at the first minibatch, {_response_lengths(cell)}"

@@ -273,6 +273,32 @@ def test_the_clip_mechanism_line_reads_the_clip_share_and_the_response_lengths_b
             "last 10 steps, all at the 24-token cap on 24 of 40 steps") in line
 
 
+def test_the_dppo_lines_read_what_the_mask_removes_and_the_response_lengths_by_hand(verdicts):
+    rows = []
+    for seed in range(2):
+        # per step |A| mass 2.0; dppo_ppo removes 0.05 of it, its removed tokens (0.01) half with A > 0; responses
+        # 18 tokens then the cap on its last 5 steps; decoupled TIS and prime_rl remove nothing / 0.02, never at the cap
+        for algorithm, score, removed, positive, lengths in (
+                ("decoupled_tis", 0.5, 0.0, 0.0, [16.0] * 20),
+                ("dppo_ppo", 0.4, 0.05, 0.005, [18.0] * 15 + [24.0] * 5),
+                ("prime_rl", 0.45, 0.02, 0.0, [17.0] * 20)):
+            row = _row(verdicts, algorithm, seed, [0.3] * 10 + [score + 0.02 * seed] * 10)
+            row.update(regime="bf16 + fp8 weights", abs_advantage=[2.0] * 20, removed_abs_advantage=[removed] * 20,
+                       removed_token_fraction=[0.01 if removed else 0.0] * 20,
+                       removed_positive_advantage=[positive] * 20, response_length=lengths)
+            rows.append(row)
+    against_tis, against_reinforce = verdicts.mechanism_lines(rows)
+    assert against_tis.startswith("- bf16 + fp8 weights, DPPO's mask inside decoupled PPO: does it cost reward?: "
+                                  "dppo_ppo ends below decoupled_tis: -0.100")
+    assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, 0.0 % of sequences as "
+            "stale, responses 21.0 tokens over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
+    assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, 0.0 % of sequences as "
+            "stale, responses 16.0 tokens over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
+    assert against_reinforce.startswith("- bf16 + fp8 weights, DPPO's mask: inside decoupled PPO against its "
+                                        "REINFORCE form: dppo_ppo ends below prime_rl: -0.050")
+    assert "prime_rl removes 1.0 % of the |A| mass, 0 % of its removed tokens with A > 0" in against_reinforce
+
+
 def test_budget_takes_the_quietest_runs_pace(verdicts):
     rows = [{"regime": "fp32", "seconds": [100.0, 10.0, 12.0, 14.0]},  # median of steps 2.. : 12 s
             {"regime": "fp32", "seconds": [100.0, 20.0, None, 20.0]}]  # 20 s (work beside it)
