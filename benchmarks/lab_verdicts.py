@@ -459,17 +459,20 @@ def _response_lengths(cell: dict[int, dict]) -> str:
 
 
 def _has(cell: dict[int, dict], key: str) -> bool:
-    return any(r.get(key) for r in cell.values())
+    """Whether some run of ``cell`` recorded ``key`` (a synchronous run records no stale share: all None)."""
+    return any(v is not None for r in cell.values() for v in r.get(key) or [])
 
 
 def mechanism_lines(rows: list[dict]) -> list[str]:
-    """Per mechanism with both cells paired on ≥ 2 seeds: the paired reward difference, and what each removed
-    (its share of the |A| mass and the share of it with A > 0) or how many tokens its PPO ratio put outside the clip
-    range at the first minibatch; with the response lengths where the rows have them (a policy that stops learning
-    to stop sits at the cap)."""
+    """Per mechanism with both cells paired on ≥ 2 seeds: the paired reward difference and, on the same seeds, what
+    each removed (its share of the |A| mass and the share of it with A > 0) or how many tokens its PPO ratio put
+    outside the clip range at the first minibatch; with the response lengths where the rows have them (a policy that
+    stops learning to stop sits at the cap)."""
     lines = []
     for regime, question, algorithm, other, read in MECHANISMS:
         a, b = _cell(rows, regime, algorithm), _cell(rows, regime, other)
+        paired = a.keys() & b.keys()  # what each removed, read on the seeds the difference pairs
+        a, b = {s: a[s] for s in paired}, {s: b[s] for s in paired}
         diff = paired_difference({s: last_mean(r["reward"]) for s, r in a.items()},
                                  {s: last_mean(r["reward"]) for s, r in b.items()})
         if diff.n < 2:
@@ -477,8 +480,10 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
         if read == "removed":
             parts = [f"{name} removes {_shown(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
                      f"of the |A| mass, {_shown(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
-                     f"of its removed tokens with A > 0, {_shown(100 * _mean(_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
-                     "of sequences as stale" + (f", {_response_lengths(cell)}" if _has(cell, "response_length") else "")
+                     "of its removed tokens with A > 0"
+                     + (f", {_shown(100 * _mean(_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
+                        "of sequences as stale" if _has(cell, "mis_rs_stale_seq_fraction") else "")
+                     + (f", {_response_lengths(cell)}" if _has(cell, "response_length") else "")
                      for name, cell in ((algorithm, a), (other, b))]
         else:
             parts = [f"{name}: {_shown(100 * _mean(_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "

@@ -285,15 +285,17 @@ def test_the_dppo_lines_read_what_the_mask_removes_and_the_response_lengths_by_h
             row = _row(verdicts, algorithm, seed, [0.3] * 10 + [score + 0.02 * seed] * 10)
             row.update(regime="bf16 + fp8 weights", abs_advantage=[2.0] * 20, removed_abs_advantage=[removed] * 20,
                        removed_token_fraction=[0.01 if removed else 0.0] * 20,
-                       removed_positive_advantage=[positive] * 20, response_length=lengths)
+                       removed_positive_advantage=[positive] * 20, response_length=lengths,
+                       mis_rs_stale_seq_fraction=[None] * 20)  # a synchronous run records no stale share
             rows.append(row)
-    against_tis, against_reinforce = verdicts.mechanism_lines(rows)
+    # a seed only decoupled TIS has is left out of both reads: its responses at the cap would show otherwise
+    unpaired = _row(verdicts, "decoupled_tis", 2, [0.3] * 20)
+    unpaired.update(regime="bf16 + fp8 weights", response_length=[24.0] * 20)
+    against_tis, against_reinforce = verdicts.mechanism_lines(rows + [unpaired])
     assert against_tis.startswith("- bf16 + fp8 weights, DPPO's mask inside decoupled PPO: does it cost reward?: "
                                   "dppo_ppo ends below decoupled_tis: -0.100")
-    assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, 0.0 % of sequences as "
-            "stale, responses 21.0 tokens over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
-    assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, 0.0 % of sequences as "
-            "stale, responses 16.0 tokens over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
+    assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, responses 21.0 tokens over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
+    assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, responses 16.0 tokens over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
     assert against_reinforce.startswith("- bf16 + fp8 weights, DPPO's mask: inside decoupled PPO against its "
                                         "REINFORCE form: dppo_ppo ends below prime_rl: -0.050")
     assert "prime_rl removes 1.0 % of the |A| mass, 0 % of its removed tokens with A > 0" in against_reinforce
