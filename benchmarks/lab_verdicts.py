@@ -299,9 +299,11 @@ def figure(rows: list[dict], regime: str, path: Path) -> bool:
 def curve(rows: list[dict]) -> list[dict]:
     """One point per regime with standard PPO on ≥ 2 seeds, by increasing k3 (standard's mean raw k3 over its runs:
     π_old recomputed by the trainer against the engine's π_rollout, staleness included in the async regimes): for
-    each uncorrected algorithm (standard, bypass), the correction whose paired mean gain over it is largest and that
-    gain with its 95 % interval. Choosing the largest of several is optimistic: the interval is that of the chosen
-    one alone."""
+    each uncorrected algorithm (standard, bypass), among the corrections paired with it on ≥ 2 seeds, the one whose
+    gain is most surely above 0 (the largest lower bound of its 95 % interval; a larger mean on fewer seeds does not
+    hide a resolved gain), with that interval, and the largest gain any of them leaves open (``not_excluded``: the
+    highest upper bound, at ``not_excluded_seeds``). Choosing one of several is optimistic: the interval is that of
+    the chosen one alone."""
     points = []
     for regime in REGIMES:
         standard = _cell(rows, regime, BASELINE)
@@ -310,15 +312,17 @@ def curve(rows: list[dict]) -> list[dict]:
         point = {"regime": regime, "k3": _mean(_mean(r["raw_k3"]) for r in standard.values()), "gaps": {}}
         for uncorrected in UNCORRECTED:
             base = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, uncorrected).items()}
-            best = None
-            for correction in CORRECTIONS:
-                scores = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, correction).items()}
-                diff = paired_difference(scores, base)
-                if diff.n >= 2 and (best is None or diff.mean > best[1].mean):
-                    best = (correction, diff)
-            if best is not None:
-                point["gaps"][uncorrected] = {"correction": best[0], "mean": best[1].mean, "low": best[1].low,
-                                              "high": best[1].high, "seeds": best[1].n}
+            paired = [(correction, paired_difference({s: last_mean(r["reward"])
+                                                      for s, r in _cell(rows, regime, correction).items()}, base))
+                      for correction in CORRECTIONS]
+            paired = [(correction, diff) for correction, diff in paired if diff.n >= 2]
+            if not paired:
+                continue
+            correction, best = max(paired, key=lambda item: (item[1].low, item[1].mean))
+            widest = max((diff for _, diff in paired), key=lambda diff: diff.high)
+            point["gaps"][uncorrected] = {"correction": correction, "mean": best.mean, "low": best.low,
+                                          "high": best.high, "seeds": best.n, "not_excluded": widest.high,
+                                          "not_excluded_seeds": widest.n}
         points.append(point)
     return sorted(points, key=lambda p: p["k3"])
 
@@ -338,8 +342,8 @@ def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
         if gap["low"] > 0 and matters is None:
             matters = {"k3": point["k3"], "regime": point["regime"], **gap}
         elif matters is None:
-            open_gain = gap["high"] if safe is None else max(safe["not_excluded"], gap["high"])
-            seeds = gap["seeds"] if safe is None else min(safe["seeds"], gap["seeds"])
+            open_gain = gap["not_excluded"] if safe is None else max(safe["not_excluded"], gap["not_excluded"])
+            seeds = gap["not_excluded_seeds"] if safe is None else min(safe["seeds"], gap["not_excluded_seeds"])
             safe = {"k3": point["k3"], "regime": point["regime"], "not_excluded": open_gain, "seeds": seeds}
         elif gap["low"] <= 0:
             above.append(point["regime"])
@@ -376,8 +380,8 @@ PUBLISHED_K3 = ((2.7e-5, "miles issue 2722 (aligned)"), (7e-4, "miles PR 2870"),
 
 
 def curve_figure(points: list[dict], path: Path) -> None:
-    """The safe-mismatch curve: per regime, the best correction's paired gain over standard PPO and over bypass
-    (mean, bar = 95 % interval) against standard PPO's raw k3 on a log axis, each point named by its regime."""
+    """The safe-mismatch curve: per regime, the surest correction's paired gain over standard PPO and over bypass
+    (mean, bar = 95 % interval; see ``curve``) against standard PPO's raw k3 on a log axis, each point named by its regime."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -391,7 +395,7 @@ def curve_figure(points: list[dict], path: Path) -> None:
         xs, gaps = zip(*shown)
         ax.errorbar(xs, [g["mean"] for g in gaps], yerr=[[g["mean"] - g["low"] for g in gaps],
                                                         [g["high"] - g["mean"] for g in gaps]],
-                    fmt="o", capsize=3, label=f"best correction − {uncorrected}")
+                    fmt="o", capsize=3, label=f"surest correction − {uncorrected}")
     for point in points:
         ax.annotate(point["regime"], (point["k3"], 0), textcoords="offset points", xytext=(2, -14), fontsize=6,
                     rotation=-30)
@@ -409,7 +413,7 @@ def curve_figure(points: list[dict], path: Path) -> None:
 
 
 def curve_table(points: list[dict]) -> str:
-    lines = ["| regime | k3 (standard's raw) | best over standard [95 % CI] | best over bypass [95 % CI] |",
+    lines = ["| regime | k3 (standard's raw) | surest gain over standard [95 % CI] | surest gain over bypass [95 % CI] |",
              "|---|---|---|---|"]
     for point in points:
         cells = []

@@ -116,6 +116,29 @@ def test_safe_mismatch_curve_by_hand(verdicts):
                                "resolved gain at k3 = 4.00e-02 (bf16 + fp8 weights: decoupled_tis, +0.303 [+0.289, ")
 
 
+def test_a_larger_mean_on_fewer_seeds_does_not_hide_a_resolved_gain(verdicts):
+    """The sweep's fp8 shape: decoupled TIS beats bypass on 4 seeds; batch_gate has the larger mean on 2 seeds with
+    an interval 8 wide. The curve names the resolved one, and what stays open is the widest upper bound."""
+    rows = _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                        {"standard": [0.5, 0.55, 0.6, 0.5], "bypass": [0.2, 0.25, 0.2, 0.2],
+                         "decoupled_tis": [0.52, 0.56, 0.62, 0.5], "batch_gate": [0.9, 0.3]})
+    (point,) = verdicts.curve(rows)
+    # over bypass: decoupled_tis +0.32, +0.31, +0.42, +0.30: mean 0.3375, sd 0.05560, half 3.1824·0.05560/2 = 0.08848;
+    # batch_gate +0.7, +0.05: mean 0.375, sd 0.45962, half 12.706·0.45962/√2 = 4.1295 (low −3.755, high +4.505)
+    over_bypass = point["gaps"]["bypass"]
+    assert over_bypass["correction"] == "decoupled_tis" and over_bypass["seeds"] == 4
+    assert over_bypass["low"] == pytest.approx(0.24902, abs=1e-4) and over_bypass["mean"] == pytest.approx(0.3375)
+    assert over_bypass["not_excluded"] == pytest.approx(4.5045, abs=1e-3) and over_bypass["not_excluded_seeds"] == 2
+    assert verdicts.safe_level([point], "bypass")["matters_at"]["correction"] == "decoupled_tis"
+    # over standard: decoupled_tis +0.02, +0.01, +0.02, 0: low 0.0125 − 3.1824·0.009574/2 = −0.00273, the largest low;
+    # batch_gate +0.4, −0.25 leaves +0.075 + 4.1295 = +4.2045 open
+    over_standard = point["gaps"]["standard"]
+    assert over_standard["correction"] == "decoupled_tis" and over_standard["low"] == pytest.approx(-0.00273, abs=1e-4)
+    level = verdicts.safe_level([point], "standard")
+    assert level["matters_at"] is None
+    assert level["safe_below"]["not_excluded"] == pytest.approx(4.2045, abs=1e-3) and level["safe_below"]["seeds"] == 2
+
+
 def test_an_empty_curve_says_so(verdicts):
     for uncorrected in verdicts.UNCORRECTED:
         assert verdicts.level_sentence(verdicts.safe_level([], uncorrected)) == (f"{uncorrected}: no regime paired on "
