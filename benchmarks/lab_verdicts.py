@@ -300,8 +300,8 @@ def curve(rows: list[dict]) -> list[dict]:
     """One point per regime with standard PPO on ≥ 2 seeds, by increasing k3 (standard's mean raw k3 over its runs:
     π_old recomputed by the trainer against the engine's π_rollout, staleness included in the async regimes): for
     each uncorrected algorithm (standard, bypass), among the corrections paired with it on ≥ 2 seeds, the one whose
-    gain is most surely above 0 (the largest lower bound of its 95 % interval; a larger mean on fewer seeds does not
-    hide a resolved gain), with that interval, and the largest gain any of them leaves open (``not_excluded``: the
+    gain is most surely above 0 (a resolved one first, evidence.MIN_VERDICT_SEEDS; then the largest lower bound of its
+    95 % interval: a larger mean on fewer seeds does not hide a resolved gain), with that interval, and the largest gain any of them leaves open (``not_excluded``: the
     highest upper bound, at ``not_excluded_seeds``). Choosing one of several is optimistic: the interval is that of
     the chosen one alone."""
     points = []
@@ -318,10 +318,11 @@ def curve(rows: list[dict]) -> list[dict]:
             paired = [(correction, diff) for correction, diff in paired if diff.n >= 2]
             if not paired:
                 continue
-            correction, best = max(paired, key=lambda item: (item[1].low, item[1].mean))
+            correction, best = max(paired, key=lambda item: (item[1].resolved, item[1].low, item[1].mean))
             widest = max((diff for _, diff in paired), key=lambda diff: diff.high)
             point["gaps"][uncorrected] = {"correction": correction, "mean": best.mean, "low": best.low,
-                                          "high": best.high, "seeds": best.n, "not_excluded": widest.high,
+                                          "high": best.high, "seeds": best.n, "resolved": best.resolved,
+                                          "not_excluded": widest.high,
                                           "not_excluded_seeds": widest.n}
         points.append(point)
     return sorted(points, key=lambda p: p["k3"])
@@ -339,13 +340,13 @@ def safe_level(points: list[dict], uncorrected: str = BASELINE) -> dict:
         gap = point["gaps"].get(uncorrected)
         if gap is None:
             continue
-        if gap["low"] > 0 and matters is None:
+        if gap["resolved"] and matters is None:
             matters = {"k3": point["k3"], "regime": point["regime"], **gap}
         elif matters is None:
             open_gain = gap["not_excluded"] if safe is None else max(safe["not_excluded"], gap["not_excluded"])
             seeds = gap["not_excluded_seeds"] if safe is None else min(safe["seeds"], gap["not_excluded_seeds"])
             safe = {"k3": point["k3"], "regime": point["regime"], "not_excluded": open_gain, "seeds": seeds}
-        elif gap["low"] <= 0:
+        elif not gap["resolved"]:
             above.append(point["regime"])
     return {"uncorrected": uncorrected, "safe_below": safe, "matters_at": matters, "unresolved_above": above}
 

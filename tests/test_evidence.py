@@ -57,6 +57,13 @@ def test_unresolved_and_single_seed():
     diff = evidence.paired_difference({0: 0.5, 1: 0.7}, {0: 0.6, 1: 0.6})
     assert diff.mean == pytest.approx(0.0, abs=1e-12) and not diff.resolved
     assert "no resolvable difference at 2 seeds" in evidence.verdict("x", "standard", diff)
+    # two seeds with the same difference (rewards move in steps): sd 0, an interval of width 0 that excludes 0, and
+    # still no verdict; a third seed with the same difference makes one
+    same = evidence.paired_difference({0: 0.6, 1: 0.7}, {0: 0.50625, 1: 0.60625})
+    assert same.half_width == pytest.approx(0.0, abs=1e-12) and same.excludes_zero and not same.resolved
+    assert evidence.verdict("x", "y", same) == ("x vs y: no resolvable difference at 2 seeds (+0.094 [+0.094, +0.094] "
+                                                "(n=2); the interval excludes 0, but a verdict needs 3 seeds)")
+    assert evidence.paired_difference({0: 0.6, 1: 0.7, 2: 0.5}, {0: 0.50625, 1: 0.60625, 2: 0.40625}).resolved
     one = evidence.paired_difference({0: 0.9}, {0: 0.1})
     assert one.n == 1 and math.isnan(one.half_width) and not one.resolved
     assert one.interval() == "+0.800 (n=1)"

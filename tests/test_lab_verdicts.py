@@ -270,8 +270,10 @@ def test_mechanism_lines_by_hand(verdicts):
     lines = verdicts.mechanism_lines(rows)
     assert len(lines) == 1
     line = lines[0]
-    assert line.startswith("- async lags 0..2, the lag gate against the fixed drop: lag_gate ends below fixed_drop: "
-                           "-0.100")  # the same −0.1 on both seeds: a zero-width interval
+    # the same −0.1 on both seeds: a zero-width interval, no verdict at 2 seeds
+    assert line.startswith("- async lags 0..2, the lag gate against the fixed drop: lag_gate vs fixed_drop: no "
+                           "resolvable difference at 2 seeds (-0.100 [-0.100, -0.100] (n=2); the interval excludes 0, "
+                           "but a verdict needs 3 seeds)")
     assert "lag_gate removes 10.0 % of the |A| mass, 50 % of its removed tokens with A > 0, 10.0 % of sequences" in line
     assert "fixed_drop removes 20.0 % of the |A| mass" in line
 
@@ -316,11 +318,13 @@ def test_the_dppo_lines_read_what_the_mask_removes_and_the_response_lengths_by_h
     unpaired.update(regime="bf16 + fp8 weights", response_length=[24.0] * 20)
     against_tis, against_reinforce = verdicts.mechanism_lines(rows + [unpaired])
     assert against_tis.startswith("- bf16 + fp8 weights, DPPO's mask inside decoupled PPO: does it cost reward?: "
-                                  "dppo_ppo ends below decoupled_tis: -0.100")
+                                  "dppo_ppo vs decoupled_tis: no resolvable difference at 2 seeds (-0.100 [-0.100, "
+                                  "-0.100] (n=2); the interval excludes 0, but a verdict needs 3 seeds)")
     assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, responses 21.0 tokens over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
     assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, responses 16.0 tokens over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
     assert against_reinforce.startswith("- bf16 + fp8 weights, DPPO's mask: inside decoupled PPO against its "
-                                        "REINFORCE form: dppo_ppo ends below prime_rl: -0.050")
+                                        "REINFORCE form: dppo_ppo vs prime_rl: no resolvable difference at 2 seeds "
+                                        "(-0.050 [-0.050, -0.050] (n=2)")
     assert "prime_rl removes 1.0 % of the |A| mass, 0 % of its removed tokens with A > 0" in against_reinforce
 
 

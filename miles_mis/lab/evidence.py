@@ -5,7 +5,9 @@ difference of two algorithms' scores on one seed removes the seed's own luck. Ov
 
     d̄ = mean(d_s),   half-width = t_{0.975, n−1} · sd(d_s) / √n,   interval = [d̄ − half, d̄ + half]
 
-and a verdict is stated only when the interval excludes 0 (``verdict``). Pure Python (no SciPy): the t quantile is
+and a verdict is stated only when the interval excludes 0 over at least 3 seeds (``verdict``): at 2 seeds the
+interval has one degree of freedom, and with rewards in steps (a last-10 mean of 32 binary rewards moves by 1/320)
+two seeds can give the same difference, a sample sd of 0 and an interval of width 0 around a chance value. Pure Python (no SciPy): the t quantile is
 the root of the t CDF, written with the regularised incomplete beta function (``t_quantile``).
 """
 
@@ -19,6 +21,7 @@ from typing import Mapping, Sequence
 TAIL = 10  # the score of a run: its last-TAIL-step mean reward
 COLLAPSE_GAIN = -0.05  # a run collapsed when its last-10 reward ends 0.05 or more below its first-10 reward
 STALL_GAIN = 0.1  # a run stalled when it gained less than this (reward is a fraction in [0, 1])
+MIN_VERDICT_SEEDS = 3  # fewer paired seeds never make a verdict (see the module docstring)
 LEVEL_WINDOW = 5  # the time to a reward level: the first step whose trailing 5-step mean reaches it
 
 
@@ -97,7 +100,12 @@ class Paired:
 
     @property
     def resolved(self) -> bool:
-        """The 95 % interval excludes 0 (never with fewer than 2 seeds)."""
+        """The 95 % interval excludes 0 over at least ``MIN_VERDICT_SEEDS`` seeds."""
+        return self.n >= MIN_VERDICT_SEEDS and self.excludes_zero
+
+    @property
+    def excludes_zero(self) -> bool:
+        """The 95 % interval excludes 0 (never with fewer than 2 seeds, where it has no width)."""
         return self.n >= 2 and (self.low > 0.0 or self.high < 0.0)
 
     def interval(self, digits: int = 3) -> str:
@@ -122,7 +130,9 @@ def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> Paired:
 def verdict(name: str, baseline: str, diff: Paired) -> str:
     """One sentence: which is better and by how much where the interval excludes 0, else no resolvable difference."""
     if not diff.resolved:
-        return f"{name} vs {baseline}: no resolvable difference at {diff.n} seeds ({diff.interval()})"
+        few = (f"; the interval excludes 0, but a verdict needs {MIN_VERDICT_SEEDS} seeds" if diff.excludes_zero
+               else "")
+        return f"{name} vs {baseline}: no resolvable difference at {diff.n} seeds ({diff.interval()}{few})"
     word = "above" if diff.mean > 0 else "below"
     return f"{name} ends {word} {baseline}: {diff.interval()}, {diff.favour_a} of {diff.n} seeds higher"
 
