@@ -296,12 +296,18 @@ def figure(rows: list[dict], regime: str, path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- the safe-mismatch curve
+def _resolved_gain(diff) -> bool:
+    """A resolved difference above 0: a correction resolved below the uncorrected one is a resolved loss, no gain."""
+    return diff.resolved and diff.low > 0.0
+
+
 def curve(rows: list[dict]) -> list[dict]:
     """One point per regime with standard PPO on ≥ 2 seeds, by increasing k3 (standard's mean raw k3 over its runs:
     π_old recomputed by the trainer against the engine's π_rollout, staleness included in the async regimes): for
     each uncorrected algorithm (standard, bypass), among the corrections paired with it on ≥ 2 seeds, the one whose
-    gain is most surely above 0 (a resolved one first, evidence.MIN_VERDICT_SEEDS; then the largest lower bound of its
-    95 % interval: a larger mean on fewer seeds does not hide a resolved gain), with that interval, and the largest gain any of them leaves open (``not_excluded``: the
+    gain is most surely above 0 (a resolved gain first, evidence.MIN_VERDICT_SEEDS, never a resolved loss; then the
+    largest lower bound of its 95 % interval: a larger mean on fewer seeds does not hide a resolved gain), with that
+    interval, and the largest gain any of them leaves open (``not_excluded``: the
     highest upper bound, at ``not_excluded_seeds``). Choosing one of several is optimistic: the interval is that of
     the chosen one alone."""
     points = []
@@ -318,10 +324,10 @@ def curve(rows: list[dict]) -> list[dict]:
             paired = [(correction, diff) for correction, diff in paired if diff.n >= 2]
             if not paired:
                 continue
-            correction, best = max(paired, key=lambda item: (item[1].resolved, item[1].low, item[1].mean))
+            correction, best = max(paired, key=lambda item: (_resolved_gain(item[1]), item[1].low, item[1].mean))
             widest = max((diff for _, diff in paired), key=lambda diff: diff.high)
             point["gaps"][uncorrected] = {"correction": correction, "mean": best.mean, "low": best.low,
-                                          "high": best.high, "seeds": best.n, "resolved": best.resolved,
+                                          "high": best.high, "seeds": best.n, "resolved": _resolved_gain(best),
                                           "not_excluded": widest.high,
                                           "not_excluded_seeds": widest.n}
         points.append(point)

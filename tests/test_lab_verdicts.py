@@ -139,6 +139,26 @@ def test_a_larger_mean_on_fewer_seeds_does_not_hide_a_resolved_gain(verdicts):
     assert level["safe_below"]["not_excluded"] == pytest.approx(4.2045, abs=1e-3) and level["safe_below"]["seeds"] == 2
 
 
+def test_a_resolved_loss_is_not_a_gain(verdicts):
+    """The sweep's fp8 shape over standard: seq_mis is resolved below it on 4 seeds, decoupled TIS is level. Neither
+    is a gain: the curve names decoupled TIS (the larger lower bound among the unresolved) and the level stays safe."""
+    rows = _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                        {"standard": [0.5, 0.55, 0.6, 0.5], "seq_mis": [0.3, 0.4, 0.45, 0.35],
+                         "decoupled_tis": [0.52, 0.5, 0.62, 0.5]})
+    (point,) = verdicts.curve(rows)
+    # seq_mis −0.2, −0.15, −0.15, −0.15: mean −0.1625, sd 0.025, half 3.1824·0.025/2 = 0.03978: [−0.2023, −0.1227],
+    # resolved, but below 0; decoupled_tis +0.02, −0.05, +0.02, 0: mean −0.0025, sd 0.03304, low −0.0551
+    over_standard = point["gaps"]["standard"]
+    assert over_standard["correction"] == "decoupled_tis" and not over_standard["resolved"]
+    assert over_standard["low"] == pytest.approx(-0.0551, abs=1e-4)
+    level = verdicts.safe_level([point], "standard")
+    assert level["matters_at"] is None and level["safe_below"]["regime"] == "bf16 + fp8 weights"
+    # only seq_mis paired: still no gain, and the sentence does not call its loss one
+    (point,) = verdicts.curve([r for r in rows if r["algorithm"] != "decoupled_tis"])
+    assert point["gaps"]["standard"]["correction"] == "seq_mis" and not point["gaps"]["standard"]["resolved"]
+    assert "in no regime measured" in verdicts.level_sentence(verdicts.safe_level([point], "standard"))
+
+
 def test_an_empty_curve_says_so(verdicts):
     for uncorrected in verdicts.UNCORRECTED:
         assert verdicts.level_sentence(verdicts.safe_level([], uncorrected)) == (f"{uncorrected}: no regime paired on "
