@@ -2,7 +2,7 @@
 
     python benchmarks/lab_verdicts.py run [--regimes ...] [--seeds N] [--steps 40]   # resumable, one run at a time
     python benchmarks/lab_verdicts.py budget                                        # runs to do, CPU hours
-    python benchmarks/lab_verdicts.py tables                                        # tables, verdicts, figures
+    python benchmarks/lab_verdicts.py tables [--docs docs/lab.md]                    # tables, verdicts, figures
 
 Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a step, 2 minibatches, Adam 5e-5, the
 top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
@@ -211,7 +211,8 @@ def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: lis
     """The CPU hours the runs ``left`` (``todo``) take, at the step times measured in ``rows``."""
     hours = sum(steps * seconds_per_step(rows, regime) + RUN_OVERHEAD_S for regime, _, _ in left) / 3600
     by_regime = {regime: sum(1 for r, _, _ in left if r == regime) for regime in regimes}
-    parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items())
+    parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items()
+                      if n)
     return f"about {hours:.1f} CPU hours left ({parts})"
 
 
@@ -504,25 +505,35 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def tables(rows: list[dict], figures: Path | None) -> str:
+def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str | None]]:
+    """The tables as (title, markdown, figure file under ``figures`` or None): each regime, the mechanisms, and what
+    mismatch is safe (which also writes CURVE_FILE, the levels the analyzer reads)."""
     out = []
     for regime in REGIMES:
         table, sentences = regime_table(rows, regime)
-        out += [f"### {regime}", "", table, "", *[f"- {s}" for s in sentences], ""]
         name = f"lab_verdicts_{slug(regime)}.png"
-        if figures is not None and figure(rows, regime, figures / name):
-            out.append(f"(figure: docs/figures/{name})\n")
+        # without figures, the one drawn last time (if any) is still named
+        drawn = figure(rows, regime, figures / name) if figures is not None else (FIGURES / name).exists()
+        out.append((regime, "\n".join([table, "", *[f"- {s}" for s in sentences]]), name if drawn else None))
     mechanisms = mechanism_lines(rows)
-    out += ["### Mechanisms", "", *(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), ""]
+    out.append(("Mechanisms", "\n".join(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), None))
     points = curve(rows)
-    out += ["### What mismatch is safe", "", curve_table(points), ""]
-    out += [f"- {level_sentence(safe_level(points, uncorrected))}" for uncorrected in UNCORRECTED]
+    safe = [curve_table(points), "", *[f"- {level_sentence(safe_level(points, u))}" for u in UNCORRECTED]]
+    name = None
     if points:
         write_curve(points, rows)
         if figures is not None:
-            curve_figure(points, figures / "lab_verdicts_safe_mismatch.png")
-            out.append("(figure: docs/figures/lab_verdicts_safe_mismatch.png)\n")
-    return "\n".join(out)
+            name = "lab_verdicts_safe_mismatch.png"
+            curve_figure(points, figures / name)
+        elif (FIGURES / "lab_verdicts_safe_mismatch.png").exists():
+            name = "lab_verdicts_safe_mismatch.png"
+    out.append(("What mismatch is safe", "\n".join(safe), name))
+    return out
+
+
+def tables(rows: list[dict], figures: Path | None) -> str:
+    return "\n".join(f"### {title}\n\n{body}\n" + (f"(figure: docs/figures/{name})\n" if name else "")
+                     for title, body, name in sections(rows, figures))
 
 
 def main() -> None:
@@ -540,6 +551,9 @@ def main() -> None:
                         "(default: runs/lab_verdicts)")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
+    parser.add_argument("--docs", type=Path, default=None, help="with tables: write them into this markdown file "
+                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab.md has them) instead of printing; "
+                        "with --no-figures it links the figures drawn last (default: print)")
     args = parser.parse_args()
     if args.part == "budget":
         left = todo(args.regimes, args.seeds, args.steps, args.results, only=args.algorithms)
@@ -550,7 +564,18 @@ def main() -> None:
     all_rows = [r for r in read_results(args.results) if r["steps"] == args.steps]
     for line in mixed_first_rollouts(all_rows):
         print(f"warning: {line}", file=sys.stderr)
-    print(tables(one_machine_per_seed(all_rows, SEED, CELL, first_rollout), None if args.no_figures else FIGURES))
+    paired = one_machine_per_seed(all_rows, SEED, CELL, first_rollout)
+    if args.docs is None:
+        print(tables(paired, None if args.no_figures else FIGURES))
+        return
+    from lab_verdicts_docs import write_docs
+
+    left = todo(list(REGIMES), None, args.steps, args.results)
+    seeds = {(r["regime"], r["seed"]) for r in all_rows}
+    other_first_rollouts = len({(r["regime"], r["seed"], first_rollout(r)) for r in all_rows}) - len(seeds)
+    write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES), all_rows, args.steps,
+               f"{len(left)} runs, {budget_line(list(REGIMES), left, args.steps, all_rows)}", other_first_rollouts)
+    print(f"wrote the tables into {args.docs}")
 
 
 if __name__ == "__main__":
