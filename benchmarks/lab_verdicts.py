@@ -519,14 +519,13 @@ def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str
     out.append(("Mechanisms", "\n".join(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), None))
     points = curve(rows)
     safe = [curve_table(points), "", *[f"- {level_sentence(safe_level(points, u))}" for u in UNCORRECTED]]
-    name = None
+    name = "lab_verdicts_safe_mismatch.png" if points else None
     if points:
         write_curve(points, rows)
         if figures is not None:
-            name = "lab_verdicts_safe_mismatch.png"
             curve_figure(points, figures / name)
-        elif (FIGURES / "lab_verdicts_safe_mismatch.png").exists():
-            name = "lab_verdicts_safe_mismatch.png"
+        elif not (FIGURES / name).exists():  # as for the regimes: the one drawn last time, if any
+            name = None
     out.append(("What mismatch is safe", "\n".join(safe), name))
     return out
 
@@ -571,8 +570,8 @@ def main() -> None:
     from lab_verdicts_docs import write_docs
 
     left = todo(list(REGIMES), None, args.steps, args.results)
-    seeds = {(r["regime"], r["seed"]) for r in all_rows}
-    other_first_rollouts = len({(r["regime"], r["seed"], first_rollout(r)) for r in all_rows}) - len(seeds)
+    groups = by_machine(all_rows, SEED, CELL, first_rollout)  # (seed key..., first rollout) -> cells
+    other_first_rollouts = len(groups) - len({key[:-1] for key in groups})
     write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES), all_rows, args.steps,
                f"{len(left)} runs, {budget_line(list(REGIMES), left, args.steps, all_rows)}", other_first_rollouts)
     print(f"wrote the tables into {args.docs}")
