@@ -47,6 +47,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_sweep import (append_result, by_machine, first_rollout, left_here, machine, machine_of,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
+from lab_verdicts_docs import NO_RUNS  # noqa: E402
 
 from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_difference, steps_to_level,  # noqa: E402
                                     verdict)
@@ -263,7 +264,7 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
             sentences.append(verdict(algorithm, BASELINE, diff))
     if missing:
         sentences.append(f"not yet paired on 2 seeds (not shown): {', '.join(missing)}")
-    return ("\n".join(lines) if shown else "(no runs yet)"), sentences
+    return ("\n".join(lines) if shown else NO_RUNS), sentences
 
 
 def figure(rows: list[dict], regime: str, path: Path) -> bool:
