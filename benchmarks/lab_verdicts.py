@@ -311,7 +311,8 @@ def curve(rows: list[dict]) -> list[dict]:
     largest lower bound of its 95 % interval: a larger mean on fewer seeds does not hide a resolved gain), with that
     interval, and the largest gain any of them leaves open (``not_excluded``: the
     highest upper bound, at ``not_excluded_seeds``). Choosing one of several is optimistic: the interval is that of
-    the chosen one alone."""
+    the chosen one alone. ``losses`` lists the corrections resolved below the uncorrected one there, so a correction
+    that won at one level is not advised where it lost."""
     points = []
     for regime in REGIMES:
         standard = _cell(rows, regime, BASELINE)
@@ -331,7 +332,10 @@ def curve(rows: list[dict]) -> list[dict]:
             point["gaps"][uncorrected] = {"correction": correction, "mean": best.mean, "low": best.low,
                                           "high": best.high, "seeds": best.n, "resolved": _resolved_gain(best),
                                           "not_excluded": widest.high,
-                                          "not_excluded_seeds": widest.n}
+                                          "not_excluded_seeds": widest.n,
+                                          "losses": [{"correction": name, "mean": diff.mean, "low": diff.low,
+                                                      "high": diff.high, "seeds": diff.n}
+                                                     for name, diff in paired if diff.resolved and diff.high < 0.0]}
         points.append(point)
     return sorted(points, key=lambda p: p["k3"])
 

@@ -208,8 +208,40 @@ def test_the_analyzer_names_bypass_where_bypass_lost(verdicts, tmp_path):
     assert at_fp8.startswith("Safe by measurement: k3 = 4.00e-02 is at or below 4.00e-02 (bf16 + fp8 weights)")
     assert at_fp8.endswith("Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
                            "4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.333 reward [+0.182, +0.485] "
-                           "over 3 seeds; recompute π_old, or use decoupled_tis.")
+                           "over 3 seeds; recompute π_old.")
     assert "bypass" not in safe_level.sentence(1e-3, curve)
+
+
+def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_path):
+    """The sweep's shape: seq_mis beats standard PPO at the async level (4 seeds) and loses to it under fp8 weights.
+    A dump at fp8's k3 is above the safe level, but the advice comes from the nearest measured level below it: no
+    correction won there and seq_mis lost, so it is not advised; a dump between the two levels is told seq_mis won."""
+    from miles_mis.analyze import safe_level
+
+    rows = (_regime_rows(verdicts, "async lags 0..4", 3.4e-3,
+                         {"standard": [0.66, 0.6, 0.7, 0.65], "seq_mis": [0.72, 0.62, 0.76, 0.69]})
+            + _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                           {"standard": [0.5, 0.55, 0.6, 0.5], "seq_mis": [0.3, 0.4, 0.45, 0.35]}))
+    path = tmp_path / "curve.json"
+    points = verdicts.curve(rows)
+    verdicts.write_curve(points, rows, path)
+    # async: +0.06, +0.02, +0.06, +0.04: mean 0.045, sd 0.01915, half 3.1824·0.01915/2 = 0.03047: [+0.0145, +0.0755]
+    # fp8: −0.2, −0.15, −0.15, −0.15: mean −0.1625, half 0.03978: [−0.2023, −0.1227], a resolved loss
+    assert points[1]["gaps"]["standard"]["losses"] == [{"correction": "seq_mis", "mean": pytest.approx(-0.1625),
+                                                        "low": pytest.approx(-0.2023, abs=1e-4),
+                                                        "high": pytest.approx(-0.1227, abs=1e-4), "seeds": 4}]
+    assert points[0]["gaps"]["standard"]["losses"] == []
+    curve = safe_level.load(path)
+    between = safe_level.sentence(1e-2, curve)
+    assert between.startswith("Above the safe level: k3 = 1.00e-02 is at or above 3.40e-03 (async lags 0..4), where "
+                              "seq_mis beat standard PPO by +0.045 reward [+0.015, +0.075] over 4 seeds")
+    assert between.endswith("Correct: seq_mis won there.")
+    at_fp8 = safe_level.sentence(5e-2, curve)
+    assert "Correct:" not in at_fp8
+    assert at_fp8.endswith("Nearer this k3, at 4.00e-02 (bf16 + fp8 weights), no correction beat standard PPO "
+                           "resolvably, and seq_mis lost to it by -0.163 reward [-0.202, -0.123] over 4 seeds: do not "
+                           "use it at this mismatch. Keep π_old recomputed (standard PPO, not bypass) and watch the "
+                           "reward.")
 
 
 def test_a_seed_split_across_machines_runs_again_whole(verdicts, tmp_path):

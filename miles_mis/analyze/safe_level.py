@@ -44,8 +44,7 @@ def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
         return text
     return (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
             f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat bypass by {lost['mean']:+.3f} reward "
-            f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old, or use "
-            f"{lost['correction']}.")
+            f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old.")
 
 
 def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
@@ -60,10 +59,10 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
                 f"reward is not excluded at {safe['seeds']} seeds), {where}. A correction is cheap insurance here, "
                 "not a need.")
     if matters is not None and k3 >= matters["k3"]:
-        return (f"Above the safe level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
+        text = (f"Above the safe level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
                 f"{matters['correction']} beat standard PPO by {matters['mean']:+.3f} reward "
-                f"[{matters['low']:+.3f}, {matters['high']:+.3f}] over {matters['seeds']} seeds, {where}. Correct: "
-                f"{matters['correction']} won there.")
+                f"[{matters['low']:+.3f}, {matters['high']:+.3f}] over {matters['seeds']} seeds, {where}.")
+        return f"{text} {_nearest_sentence(k3, curve, matters)}"
     if matters is None:  # then k3 is above the safe level, or nothing was paired at all
         if safe is None:
             return None
@@ -74,6 +73,27 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
     return (f"Between the measured levels: k3 = {k3:.2e} lies between the safe level {low} and the first level where a "
             f"correction mattered, {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}), {where}. No "
             "measurement decides it: correct if unsure.")
+
+
+def _nearest_sentence(k3: float, curve: Mapping[str, Any], matters: Mapping[str, Any]) -> str:
+    """The advice above the safe level, from the measured regime nearest below ``k3`` (the curve need not be
+    monotone: a correction that won at one level can lose at a higher one)."""
+    below = [point for point in curve.get("points", []) if point["k3"] <= k3 and "standard" in point["gaps"]]
+    nearest = max(below, key=lambda point: point["k3"], default=None)
+    if nearest is None or nearest["regime"] == matters["regime"]:
+        return f"Correct: {matters['correction']} won there."
+    gap = nearest["gaps"]["standard"]
+    at = f"at {nearest['k3']:.2e} ({nearest['regime']})"
+    if gap["resolved"]:
+        return (f"Nearer this k3, {at}, {gap['correction']} beat standard PPO by {gap['mean']:+.3f} reward "
+                f"[{gap['low']:+.3f}, {gap['high']:+.3f}] over {gap['seeds']} seeds. Correct: {gap['correction']} won "
+                "there.")
+    lost = [loss for loss in gap.get("losses", []) if loss["correction"] == matters["correction"]]
+    text = f"Nearer this k3, {at}, no correction beat standard PPO resolvably"
+    if lost:
+        text += (f", and {matters['correction']} lost to it by {lost[0]['mean']:+.3f} reward [{lost[0]['low']:+.3f}, "
+                 f"{lost[0]['high']:+.3f}] over {lost[0]['seeds']} seeds: do not use it at this mismatch")
+    return text + ". Keep π_old recomputed (standard PPO, not bypass) and watch the reward."
 
 
 def for_dump(statistics: Mapping[str, Any], curve: Mapping[str, Any] | None) -> str | None:
