@@ -212,6 +212,32 @@ def test_the_analyzer_names_bypass_where_bypass_lost(verdicts, tmp_path):
     assert "bypass" not in safe_level.sentence(1e-3, curve)
 
 
+def test_the_bypass_clause_cites_the_nearest_level_where_bypass_lost(verdicts, tmp_path):
+    """Bypass lost first at the async level (by +0.06) and by far more under fp8 weights: a dump at fp8's k3 is told
+    the fp8 measurement, one between the two levels the async one, one below both nothing about bypass."""
+    from miles_mis.analyze import safe_level
+
+    rows = (_regime_rows(verdicts, "async lags 0..4", 3.4e-3,
+                         {"standard": [0.66, 0.6, 0.7, 0.65], "bypass": [0.6, 0.55, 0.62, 0.6],
+                          "decoupled_tis": [0.66, 0.61, 0.7, 0.64]})
+            + _regime_rows(verdicts, "bf16 + fp8 weights", 4e-2,
+                           {"standard": [0.5, 0.55, 0.6, 0.5], "bypass": [0.2, 0.25, 0.2, 0.2],
+                            "decoupled_tis": [0.52, 0.56, 0.62, 0.5]}))
+    path = tmp_path / "curve.json"
+    verdicts.write_curve(verdicts.curve(rows), rows, path)
+    curve = safe_level.load(path)
+    assert curve["levels"]["bypass"]["matters_at"]["regime"] == "async lags 0..4"
+    # over bypass, async: +0.06, +0.06, +0.08, +0.04: mean 0.06, sd 0.01633, half 3.1824·0.01633/2 = 0.02598;
+    # fp8: +0.32, +0.31, +0.42, +0.30: mean 0.3375, sd 0.05560, half 0.08848
+    assert safe_level.sentence(5e-2, curve).endswith(
+        "at k3 = 4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.338 reward [+0.249, +0.426] over 4 "
+        "seeds; recompute π_old.")
+    assert safe_level.sentence(1e-2, curve).endswith(
+        "at k3 = 3.40e-03 (async lags 0..4) decoupled_tis beat bypass by +0.060 reward [+0.034, +0.086] over 4 seeds; "
+        "recompute π_old.")
+    assert "bypass mode" not in safe_level.sentence(1e-3, curve)
+
+
 def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_path):
     """The sweep's shape: seq_mis beats standard PPO at the async level (4 seeds) and loses to it under fp8 weights.
     A dump at fp8's k3 is above the safe level, but the advice comes from the nearest measured level below it: no

@@ -39,12 +39,27 @@ def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
     if curve is None or k3 is None or not math.isfinite(float(k3)):
         return None
     text = _standard_sentence(float(k3), curve)
-    lost = curve["levels"].get("bypass", {}).get("matters_at")
-    if text is None or lost is None or float(k3) < lost["k3"]:
+    lost = _bypass_lost(float(k3), curve)
+    if text is None or lost is None:
         return text
     return (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
             f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat bypass by {lost['mean']:+.3f} reward "
             f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old.")
+
+
+def _bypass_lost(k3: float, curve: Mapping[str, Any]) -> dict | None:
+    """Where bypass lost nearest below ``k3``: the measured regime of largest k3 at or below it where a correction beat
+    bypass resolvably (its gap, with the regime and k3), else bypass's first such level when no point is listed;
+    None below that level."""
+    first = curve["levels"].get("bypass", {}).get("matters_at")
+    if first is None or k3 < first["k3"]:
+        return None
+    won = [point for point in curve.get("points", []) if point["k3"] <= k3
+           and point["gaps"].get("bypass", {}).get("resolved")]
+    if not won:
+        return first
+    nearest = max(won, key=lambda point: point["k3"])
+    return {**nearest["gaps"]["bypass"], "k3": nearest["k3"], "regime": nearest["regime"]}
 
 
 def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
