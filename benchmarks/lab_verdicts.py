@@ -210,6 +210,8 @@ def seconds_per_step(rows: list[dict], regime: str) -> float:
 
 def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: list[dict]) -> str:
     """The CPU hours the runs ``left`` (``todo``) take, at the step times measured in ``rows``."""
+    if not left:
+        return "every planned run is in"
     hours = sum(steps * seconds_per_step(rows, regime) + RUN_OVERHEAD_S for regime, _, _ in left) / 3600
     by_regime = {regime: sum(1 for r, _, _ in left if r == regime) for regime in regimes}
     parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items()
@@ -578,7 +580,8 @@ def main() -> None:
     groups = by_machine(all_rows, SEED, CELL, first_rollout)  # (seed key..., first rollout) -> cells
     other_first_rollouts = len(groups) - len({key[:-1] for key in groups})
     write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES), all_rows, args.steps,
-               f"{len(left)} runs, {budget_line(list(REGIMES), left, args.steps, all_rows)}", other_first_rollouts)
+               f"{len(left)} runs, {budget_line(list(REGIMES), left, args.steps, all_rows)}" if left else
+               budget_line(list(REGIMES), left, args.steps, all_rows), other_first_rollouts)
     print(f"wrote the tables into {args.docs}")
 
 

@@ -415,3 +415,4 @@ def test_budget_takes_the_quietest_runs_pace(verdicts):
     # (40·12 + 60) · 2 + (40·22 + 60) = 2020 s = 0.56 h
     assert verdicts.budget_line(["fp32", "fp16"], left, 40, rows) == (
         "about 0.6 CPU hours left (fp32: 2 at 12.0 s/step, fp16: 1 at 22.0 s/step)")
+    assert verdicts.budget_line(["fp32", "fp16"], [], 40, rows) == "every planned run is in"
