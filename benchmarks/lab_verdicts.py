@@ -579,9 +579,9 @@ def main() -> None:
     left = todo(list(REGIMES), None, args.steps, args.results)
     groups = by_machine(all_rows, SEED, CELL, first_rollout)  # (seed key..., first rollout) -> cells
     other_first_rollouts = len(groups) - len({key[:-1] for key in groups})
+    hours_left = budget_line(list(REGIMES), left, args.steps, all_rows)
     write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES), all_rows, args.steps,
-               f"{len(left)} runs, {budget_line(list(REGIMES), left, args.steps, all_rows)}" if left else
-               budget_line(list(REGIMES), left, args.steps, all_rows), other_first_rollouts)
+               f"{len(left)} runs, {hours_left}" if left else hours_left, other_first_rollouts)
     print(f"wrote the tables into {args.docs}")
 
 

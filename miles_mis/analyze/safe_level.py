@@ -54,12 +54,16 @@ def _bypass_lost(k3: float, curve: Mapping[str, Any]) -> dict | None:
     first = curve["levels"].get("bypass", {}).get("matters_at")
     if first is None or k3 < first["k3"]:
         return None
-    won = [point for point in curve.get("points", []) if point["k3"] <= k3
-           and point["gaps"].get("bypass", {}).get("resolved")]
-    if not won:
+    nearest = _nearest_below(k3, curve, lambda gaps: gaps.get("bypass", {}).get("resolved"))
+    if nearest is None:
         return first
-    nearest = max(won, key=lambda point: point["k3"])
     return {**nearest["gaps"]["bypass"], "k3": nearest["k3"], "regime": nearest["regime"]}
+
+
+def _nearest_below(k3: float, curve: Mapping[str, Any], keep) -> dict | None:
+    """The measured point of largest k3 at or below ``k3`` whose gaps satisfy ``keep``; None when there is none."""
+    below = [point for point in curve.get("points", []) if point["k3"] <= k3 and keep(point["gaps"])]
+    return max(below, key=lambda point: point["k3"], default=None)
 
 
 def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
@@ -93,8 +97,7 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
 def _nearest_sentence(k3: float, curve: Mapping[str, Any], matters: Mapping[str, Any]) -> str:
     """The advice above the safe level, from the measured regime nearest below ``k3`` (the curve need not be
     monotone: a correction that won at one level can lose at a higher one)."""
-    below = [point for point in curve.get("points", []) if point["k3"] <= k3 and "standard" in point["gaps"]]
-    nearest = max(below, key=lambda point: point["k3"], default=None)
+    nearest = _nearest_below(k3, curve, lambda gaps: "standard" in gaps)
     if nearest is None or nearest["regime"] == matters["regime"]:
         return f"Correct: {matters['correction']} won there."
     gap = nearest["gaps"]["standard"]
