@@ -316,6 +316,72 @@ def combine_seq_stats(per_rank: Tensor, config: MisConfig | None = None) -> Tens
     return torch.cat(parts, dim=1)
 
 
+def column_reductions(config: MisConfig | None, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-sequence table's columns by how two parts of one sequence combine: (sum, max, min) column indices.
+    The base columns (SUM/MAX/MIN_COLUMNS), the divergence options' sums then maxima, then n_bounded (a sum)."""
+    sums = list(range(NUM_SUM_COLUMNS))
+    maxima = list(range(NUM_SUM_COLUMNS, NUM_SUM_COLUMNS + len(MAX_COLUMNS)))
+    minima = list(range(NUM_SUM_COLUMNS + len(MAX_COLUMNS), NUM_COLUMNS))
+    end = NUM_COLUMNS
+    if config is not None and config.rs_divergence:
+        layout = divergence.Layout.of(config.rs_divergence)
+        middle = end + len(layout.sum_names)
+        sums += range(end, middle)
+        maxima += range(middle, end + layout.width)
+        end += layout.width
+    sums += range(end, width)
+    return tuple(torch.tensor(columns, dtype=torch.long) for columns in (sums, maxima, minima))
+
+
+def group_seq_stats(stats: Tensor, of_sample: Tensor, count: int, config: MisConfig | None = None) -> Tensor:
+    """[B, K] per-sample table -> [G, K] per-group table (``of_sample``: each sample's group): each column combined
+    over a group's samples as over CP ranks (``column_reductions``), so a group's row is the table of its samples'
+    tokens taken as one sequence."""
+    sums, maxima, minima = (columns.to(stats.device) for columns in column_reductions(config, stats.shape[1]))
+    of_sample = of_sample.to(stats.device)
+    out = stats.new_zeros(count, stats.shape[1])
+    out[:, sums] = out[:, sums].index_add(0, of_sample, stats[:, sums])
+    for columns, how in ((maxima, "amax"), (minima, "amin")):
+        if columns.numel():
+            part = stats[:, columns]
+            out[:, columns] = part.new_zeros(count, columns.numel()).scatter_reduce_(
+                0, of_sample[:, None].expand_as(part), part, how, include_self=False)
+    return out
+
+
+def group_rollouts(batch: PackedBatch, stats: Tensor, config: MisConfig) -> tuple[PackedBatch, Tensor]:
+    """With the host's split rollouts (``batch.rollouts``, miles_mis.rollouts): the batch and the combined table with
+    each rollout's samples as one sequence; unchanged without them, or when every sample is its own rollout."""
+    groups = batch.rollouts
+    if groups is None or groups.trivial:
+        return batch, stats
+    return (batch.grouped(groups.of_sample, groups.count),
+            group_seq_stats(stats, groups.of_sample, groups.count, config))
+
+
+def rollout_seq_metrics(groups, device) -> dict[str, Tensor]:
+    """Per rollout: ``rollout_split_fraction`` (1 for a rollout of several samples in the call) and, when the host
+    passes ``rollout_mask_sums``, ``rollout_incomplete_fraction`` (1 for a rollout with trained tokens outside the
+    call: its sequence-level stages saw a part of it). Broadcast to the tokens, the host's mean over samples is the
+    share of samples."""
+    out = {"rollout_split_fraction": (groups.size > 1).float().to(device)}
+    if groups.incomplete is not None:
+        out["rollout_incomplete_fraction"] = groups.incomplete.float().to(device)
+    if groups.trivial:  # not grouped: the rows are the samples, numbered as the groups (first appearance)
+        out = {name: value.index_select(0, groups.of_sample.to(device)) for name, value in out.items()}
+    return out
+
+
+def _per_sample(correction: "Correction", groups) -> "Correction":
+    """A grouped call's decisions per sample again: each sample takes its rollout's."""
+    if groups is None or groups.trivial:
+        return correction
+    index = groups.of_sample.to(correction.seq_keep.device)
+    return dataclasses.replace(
+        correction, seq_keep=correction.seq_keep.index_select(0, index),
+        seq_gate=None if correction.seq_gate is None else correction.seq_gate.index_select(0, index))
+
+
 # --------------------------------------------------------------------------- stage 4: decisions, weights, metrics
 @dataclass(frozen=True)
 class Correction:
@@ -497,11 +563,26 @@ def finalize(batch: PackedBatch, terms: TokenTerms, stats: Tensor, config: MisCo
     ``reduce_histogram`` sums the adaptive sequence-level bound's histogram over the DP group
     (``tis_auto_scope: dp``).
 
+    With split rollouts (``batch.rollouts``) every sequence-level stage sees each rollout whole
+    (``group_rollouts``); the returned ``seq_keep``/``seq_gate`` are per sample again.
+
     The stages run in the order of docs/math.md, each reading and filling in one ``FinalizeState``.
     """
+    if batch_values is None:
+        batch_values = local_batch_values(batch, terms, config)
+    groups = batch.rollouts
+    batch, stats = group_rollouts(batch, stats, config)
     state = FinalizeState.start(batch, terms, stats, config, bound, reduce_normalizer, reduce_gate,
                                 reduce_histogram)
-    measure_batch(state, local_batch_values(batch, terms, config) if batch_values is None else batch_values)
+    if groups is not None:
+        state.seq_values.update(rollout_seq_metrics(groups, stats.device))
+    return _per_sample(_finalize_stages(state, batch_values), groups)
+
+
+def _finalize_stages(state: "FinalizeState", batch_values: Tensor) -> Correction:
+    """``finalize``'s stages, in order."""
+    config, batch, stats = state.config, state.batch, state.stats
+    measure_batch(state, batch_values)
     if not config.use_tis:
         return metrics_only(state)
     state.seq_reject = torch.zeros(batch.num_seqs, dtype=torch.bool, device=stats.device)  # none rejected yet

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 # per-sequence columns appended to the stats, compared across CP ranks (the lag only when the host passes lags)
-LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag")
+LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag", "rollout_group")
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 # magic, error flag, error sequence, batch size, table width, local tokens, rejected local tokens, fingerprint
 _INTS = "<8q"
@@ -252,10 +252,10 @@ def _all_gather(output: Tensor, tensor: Tensor, group: Group, name: str) -> None
 
 
 # --------------------------------------------------------------------------- the O(B) exchange
-def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group,
-                       extra: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths (response, total, span; [B, 4]
-    with the lags, when the host passes them) -> [C, B, K] float64, and
+def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, extra: Tensor | None = None,
+                       names: Sequence[str] = LENGTH_COLUMNS) -> tuple[Tensor, Tensor | None]:
+    """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths (response, total, span; then the
+    lag and the rollout group, when the host passes them: ``names`` names the columns) -> [C, B, K] float64, and
     with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.rejections) -> [C, E].
 
     One collective of B·(K+3)·8 + E bytes per rank. Call only after ``agree`` (same B, K and E on every rank:
@@ -278,7 +278,7 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group,
     if bool(differs.any()):
         i = int(differs.nonzero()[0])
         values = "; ".join(f"cp rank {r}: " + ", ".join(f"{name}={int(v)}" for name, v in
-                                                        zip(LENGTH_COLUMNS, seq_lengths[r, i].tolist()))
+                                                        zip(names, seq_lengths[r, i].tolist()))
                            for r in range(cp.size))
         raise PeerFailure(f"sequence {i}: context-parallel ranks disagree on its lengths ({values})")
     return gathered[:, :, :num_stats], extra_out

@@ -42,6 +42,8 @@ class PackedInputs:
     response_lengths: list[int]
     local_positions: Tensor | None  # indices of the local tokens in full_masks; None = all, in order (cp 1)
     length_table: Tensor | None  # [B, 3] response, total, span lengths, exchanged to check CP agreement
+    # the names of length_table's columns (the lag and the rollout group are appended when the host passes them)
+    length_names: tuple[str, ...] = ("response_length", "total_length", "span")
 
 
 # --------------------------------------------------------------------------- host settings
@@ -240,8 +242,9 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
         if isinstance(value, (list, tuple)):
             raise InputError(f"{name} is a {type(value).__name__}: the packed entry point takes one flat tensor "
                              "(per-sequence lists: compute_mis_weights)")
-        if name == "cu_seqlens" and isinstance(value, Tensor) and value.dtype != torch.int64:
-            raise InputError(f"cu_seqlens has dtype {value.dtype}: expected torch.int64 offsets (cu_seqlens.long())")
+        if name == "cu_seqlens" and isinstance(value, Tensor) and not _integer_dtype(value.dtype):
+            raise InputError(f"cu_seqlens has dtype {value.dtype}: expected integer offsets (int32, as flash-attention "
+                             "and Megatron hold them, or int64)")
         shape = ("a 1-D [B+1] tensor of offsets" if name == "cu_seqlens"
                  else "a flat 1-D [N] tensor (the B responses concatenated)")
         kind = {"loss_mask": "masks", "cu_seqlens": "offsets"}.get(name, "log-probs")
@@ -256,6 +259,7 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
                          "must have equal lengths")
     if cu_seqlens.numel() == 0:
         raise InputError("cu_seqlens is empty: expected B+1 offsets, [0] for no sequence")
+    cu_seqlens = cu_seqlens.long()  # int32 (or another integer type) widened; no copy when already int64
 
     seq_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     suspect = cu_seqlens[0].ne(0).logical_or_(cu_seqlens[-1].ne(num_tokens)).logical_or_((seq_lengths < 0).any())
@@ -265,6 +269,11 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
         _check_packed_exactly(cu_seqlens, seq_lengths, loss_mask, num_tokens)
     return PackedBatch.from_flat(train_log_probs.detach(), rollout_log_probs.detach(), loss_mask.detach(),
                                  seq_lengths)
+
+
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    """A real integer dtype (bool is not an offset)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _check_packed_exactly(cu_seqlens: Tensor, seq_lengths: Tensor, loss_mask: Tensor, num_tokens: int) -> None:

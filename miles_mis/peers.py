@@ -111,7 +111,8 @@ def _exchange_seq_table(local: PreparedCall, stats: Tensor, cp: distributed.Grou
     try:
         stats, gathered = distributed.exchange_seq_stats(
             stats, packed.length_table, cp,
-            rejections.encode(local.rejected, encoding) if local.rejected is not None else None)
+            rejections.encode(local.rejected, encoding) if local.rejected is not None else None,
+            names=packed.length_names)
     except Exception as failure:  # noqa: BLE001
         if dp.size > 1 and scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
             distributed.agree(dp, "dp", error=failure, config_text=local.text)

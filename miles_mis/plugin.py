@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, backend, core, distributed, peers, sampling_mask, staleness, versions
+from . import advantages, backend, core, distributed, peers, rollouts, sampling_mask, staleness, versions
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -132,6 +132,7 @@ def compute_mis_weights_packed(
     batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
                                                   train_name=train_name), config, given)
     batch = sampling_mask.with_sizes(batch, given, batch.seq_lengths.tolist(), None)
+    batch = _with_rollouts(batch, given, batch.per_seq_sum(batch.loss_mask))
     correction = _correct_whole_sequences(batch, config)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
@@ -160,12 +161,30 @@ def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict)
     with the advantages' signs when the config reads them (``miles_mis.advantages``)."""
     batch = sampling_mask.with_sizes(_batch_with_optional_inputs(packed.batch, config, kwargs), kwargs,
                                      packed.response_lengths, packed.local_positions)
-    if batch.lags is None:
+    batch = _with_rollouts(batch, kwargs, _full_mask_sums(packed))
+    if batch.lags is None and batch.rollouts is None:
         return packed if batch is packed.batch else dataclasses.replace(packed, batch=batch)
-    table = packed.length_table
-    if table is not None:
-        table = torch.cat([table, batch.lags.to(table.device, table.dtype)[:, None]], dim=1)
-    return dataclasses.replace(packed, batch=batch, length_table=table)
+    table, names = packed.length_table, packed.length_names
+    if table is not None:  # the ranks must agree on each sample's lag and rollout too
+        for name, column in (("version_lag", batch.lags), ("rollout_group", getattr(batch.rollouts, "of_sample", None))):
+            if column is not None:
+                table = torch.cat([table, column.to(table.device, table.dtype)[:, None]], dim=1)
+                names = (*names, name)
+    return dataclasses.replace(packed, batch=batch, length_table=table, length_names=names)
+
+
+def _full_mask_sums(packed: PackedInputs) -> Tensor:
+    """[B] float64 each sample's mask sum over its WHOLE response (the same on every CP rank)."""
+    lengths = long_tensor(packed.response_lengths, packed.full_masks.device)
+    sample = torch.repeat_interleave(lengths, output_size=packed.full_masks.numel())
+    return torch.zeros(lengths.numel(), dtype=torch.float64, device=lengths.device).index_add_(
+        0, sample, packed.full_masks.double())
+
+
+def _with_rollouts(batch: core.PackedBatch, kwargs: dict, full_mask_sums: Tensor) -> core.PackedBatch:
+    """``batch`` with the host's split rollouts (``miles_mis.rollouts``) when it passes ``rollout_ids``."""
+    groups = rollouts.groups_of(kwargs, full_mask_sums, batch.seq_index.device)
+    return batch if groups is None else dataclasses.replace(batch, rollouts=groups)
 
 
 def _batch_with_optional_inputs(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:

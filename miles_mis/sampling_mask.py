@@ -69,7 +69,8 @@ def full_sizes(value: Any, name: str, response_lengths: Sequence[int]) -> Tensor
         raise InputError(f"{name} has {len(value)} sequences but the batch has {len(lengths)}")
     parts = []
     for i, (entry, n) in enumerate(zip(value, lengths)):
-        entry = torch.as_tensor(entry) if not isinstance(entry, Tensor) else entry
+        if not isinstance(entry, Tensor):  # an empty list would become float32: a list of no ints is int64
+            entry = torch.as_tensor(entry, dtype=torch.long) if _empty_sequence(entry) else torch.as_tensor(entry)
         if entry.is_floating_point() or entry.is_complex() or entry.dtype == torch.bool or entry.ndim != 1:
             raise InputError(f"sequence {i}: {name}[{i}] is a {entry.dtype} tensor of shape {tuple(entry.shape)}: "
                              "expected 1-D integers", i)
@@ -85,6 +86,11 @@ def full_sizes(value: Any, name: str, response_lengths: Sequence[int]) -> Tensor
         parts.append(entry[1:] - entry[:-1])
     sizes = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
     return _checked_sizes(sizes, name, lengths, flat=name != SIZES_KWARG)
+
+
+def _empty_sequence(entry: Any) -> bool:
+    """A Python sequence with no element (``[]``, ``()``): the spelling of an empty response's sizes."""
+    return isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)) and len(entry) == 0
 
 
 def _checked_sizes(sizes: Tensor, name: str, lengths: list[int], flat: bool) -> Tensor:

@@ -11,6 +11,7 @@ choices below were timed side by side against their alternatives (2 threads, the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -52,6 +53,9 @@ class PackedBatch:
     advantage_signs: Tensor | None = None
     # [N] float64 the engine's kept-set size of each token (miles_mis.sampling_mask; 0 = not recorded); None = not given
     mask_sizes: Tensor | None = None
+    # the host's split rollouts (miles_mis.rollouts.RolloutGroups): the core's sequence-level stages act on each
+    # rollout whole (``grouped``); None = every sample is its own sequence
+    rollouts: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -94,6 +98,27 @@ class PackedBatch:
             positions = positions.to(device=device, dtype=torch.long)
         return cls(to_float32_log_probs(train_log_probs), to_float32_log_probs(rollout_log_probs), loss_mask,
                    seq_lengths, seq_index, segment_matrix, positions, row_offsets, columns)
+
+    def grouped(self, of_sample: Tensor, count: int) -> "PackedBatch":
+        """The same tokens with the samples of each group (``of_sample`` [B] int64: each sample's group, 0..G-1) as
+        one sequence: G rows, each token's row its group's; the tokens keep their order and their response
+        positions (so position buckets stay per sample). A group's lag is its most stale sample's."""
+        device = self.seq_index.device
+        of_sample = of_sample.to(device)
+        seq_index = of_sample.index_select(0, self.seq_index)
+        seq_lengths = self.seq_lengths.new_zeros(count).index_add_(0, of_sample, self.seq_lengths)
+        row_offsets = seq_lengths.new_zeros(count + 1)
+        torch.cumsum(seq_lengths, 0, out=row_offsets[1:])
+        # a row per group: its tokens' indices in order (a group's samples need not be adjacent in the batch)
+        columns = torch.argsort(seq_index, stable=True).to(self._columns.dtype)
+        segment_matrix = _csr(row_offsets.to(columns.dtype), columns, count)
+        lags = None
+        if self.lags is not None:
+            lags = self.lags.new_zeros(count).scatter_reduce_(0, of_sample.to(self.lags.device), self.lags, "amax",
+                                                              include_self=False)
+        return dataclasses.replace(self, seq_lengths=seq_lengths, seq_index=seq_index, segment_matrix=segment_matrix,
+                                   layout_positions=self.positions, _row_offsets=row_offsets, _columns=columns,
+                                   _cache={}, lags=lags, rollouts=None)
 
     def per_seq_sum(self, values: Tensor) -> Tensor:
         """[N] -> [B] float64 sums over each sequence's tokens.

@@ -234,9 +234,9 @@ BAD = [
     ("loss_mask", torch.tensor([math.inf, 1.0, 1.0, 1.0, 1.0]), r"^sequence 0: loss_mask\[0\]=inf is not finite"),
     ("loss_mask", torch.tensor([1.0, 1.0, 1.0, 1.0, -math.inf]), r"^sequence 2: loss_mask\[4\]=-inf is not finite"),
     ("cu_seqlens", [0, 2, 2, 5], r"^cu_seqlens is a list: the packed entry point takes one flat tensor"),
-    ("cu_seqlens", torch.tensor([0, 2, 2, 5], dtype=torch.int32),
-     r"^cu_seqlens has dtype torch.int32: expected torch.int64 offsets \(cu_seqlens.long\(\)\)"),
-    ("cu_seqlens", torch.tensor([0.0, 2.0, 2.0, 5.0]), r"^cu_seqlens has dtype torch.float32: expected torch.int64"),
+    ("cu_seqlens", torch.tensor([0.0, 2.0, 2.0, 5.0]), r"^cu_seqlens has dtype torch.float32: expected integer "
+                                                       r"offsets \(int32, as flash-attention and Megatron"),
+    ("cu_seqlens", torch.tensor([False, True, True, True]), r"^cu_seqlens has dtype torch.bool: expected integer"),
     ("cu_seqlens", torch.tensor([[0, 2, 2, 5]]), r"^cu_seqlens has shape \(1, 4\): expected a 1-D \[B\+1\] tensor"),
     ("cu_seqlens", torch.zeros(0, dtype=torch.long), r"^cu_seqlens is empty: expected B\+1 offsets, \[0\] for no "
                                                      r"sequence"),
@@ -259,6 +259,21 @@ def test_bad_input_is_named(name, value, message):
     assert isinstance(caught.value, ValueError)
     sequence = message.split(":")[0].removeprefix("^sequence ")
     assert caught.value.sequence_index == (int(sequence) if sequence.isdigit() else -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_any_integer_cu_seqlens_gives_the_int64_result(dtype):
+    """int32 is the cu_seqlens of flash-attention and Megatron's packed sequences: the same result as int64."""
+    train, rollout, masks = odd_batch(3)
+    inputs = packed(train, rollout, masks)
+    want = compute_mis_weights_packed(DEFAULT, **inputs)
+    got = compute_mis_weights_packed(DEFAULT, **dict(inputs, cu_seqlens=inputs["cu_seqlens"].to(dtype)))
+    assert inputs["cu_seqlens"].dtype == torch.int64 and int(inputs["cu_seqlens"][-1]) < 256
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert sorted(got[2]) == sorted(want[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_good_inputs_pass():

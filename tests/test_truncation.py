@@ -112,6 +112,34 @@ def test_sampling_mask_sizes_in_every_form_give_the_hand_values():
     assert not [name for name in metrics if "sampling_mask" in name]
 
 
+@pytest.mark.parametrize("spelling", ["sampling_mask_sizes", "rollout_sampling_mask_offsets",
+                                      "rollout_top_p_token_offsets"])
+@pytest.mark.parametrize("container", [list, tuple])
+def test_an_empty_response_in_python_lists_is_accepted_at_every_entry_point(spelling, container):
+    """[[3, 1], []]: the empty list of the 0-token response is int64, not float32, in every spelling."""
+    train = [torch.tensor([-1.0, -2.0]), torch.zeros(0)]
+    rollout = [torch.tensor([-1.1, -1.9]), torch.zeros(0)]
+    masks = [torch.ones(2), torch.zeros(0)]
+    values = [[3, 1], []] if spelling == "sampling_mask_sizes" else [[0, 3, 4], [0]]
+    form = {spelling: container(container(v) for v in values)}
+    want = {"mis_sampling_mask_size_mean": 2.0, "mis_sampling_mask_size_min": 1.0,
+            "mis_sampling_mask_singleton_fraction": 0.5}
+    _, _, metrics = compute_mis_weights(MisConfig(use_tis=True), train_log_probs=train, rollout_log_probs=rollout,
+                                        loss_masks=masks, **form)
+    _, _, cp_metrics = compute_mis_weights_with_cp(SimpleNamespace(use_tis=True), pg_loss=torch.ones(2),
+                                                   train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
+                                                   total_lengths=[5, 3], response_lengths=[2, 0], **form)
+    packed_form = form if spelling != "sampling_mask_sizes" else {spelling: torch.tensor([3, 1])}
+    _, _, packed_metrics = compute_mis_weights_packed(MisConfig(use_tis=True), train_log_probs=torch.cat(train),
+                                                      rollout_log_probs=torch.cat(rollout),
+                                                      loss_mask=torch.cat(masks), cu_seqlens=torch.tensor([0, 2, 2]),
+                                                      **packed_form)
+    for name, value in want.items():
+        assert batch_value(metrics, name) == pytest.approx(value), name
+        assert float(cp_metrics[name][0]) == pytest.approx(value), name
+        assert float(packed_metrics[name][0]) == pytest.approx(value), name
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"rollout_sampling_mask_offsets": "x"}, "rollout_sampling_mask_offsets is a str"),
     ({"rollout_sampling_mask_offsets": [torch.arange(5)]}, "has 1 sequences but the batch has 2"),
@@ -143,6 +171,9 @@ def truncation_cp_worker(rank, size):
         sizes = [torch.randint(0, 6, (n,), generator=gen) for n in full["response_lengths"]]
         check_case(rank, size, config, full, pg_loss, fmt)
         check_case(rank, size, config, dict(full, rollout_top_p_token_offsets=offsets_of(sizes)), pg_loss, fmt)
+        # Python lists, an empty response's [] among them (make_full_batch has a 0-token response)
+        assert [] in [s.tolist() for s in sizes]
+        check_case(rank, size, config, dict(full, sampling_mask_sizes=[s.tolist() for s in sizes]), pg_loss, fmt)
     # one rank passes sampling masks, the others none: every rank stops, naming the difference
     full, pg_loss = make_full_batch(seed=5, num_seqs=4)
     kwargs, local_pg, _ = shard(full, pg_loss, rank, size, "thd")
