@@ -159,13 +159,15 @@ def _check_siblings_agree(sums: Tensor, of_sample: Tensor, count: int) -> None:
     """Samples of one rollout carry the same rollout_mask_sums (the count of the whole rollout)."""
     if not sums.numel():
         return
-    largest = torch.full((count,), -1.0, dtype=torch.float64).scatter_reduce_(0, of_sample, sums, "amax")
-    differs = (sums != largest[of_sample]).nonzero()
+    first = torch.full((count,), sums.numel(), dtype=torch.long).scatter_reduce_(
+        0, of_sample, torch.arange(sums.numel()), "amin")  # each rollout's first sample
+    expected = sums[first][of_sample]
+    differs = (sums != expected).nonzero()
     if differs.numel():
         i = int(differs[0])
-        raise InputError(f"sequence {i}: {MASK_SUMS_KWARG}[{i}]={float(sums[i])!r} differs from another sample of its "
-                         f"rollout ({float(largest[of_sample[i]])!r}): every sample of a rollout carries the whole "
-                         f"rollout's count ({_SEE})", i)
+        raise InputError(f"sequence {i}: {MASK_SUMS_KWARG}[{i}]={float(sums[i])!r} differs from the first sample of its "
+                         f"rollout (sequence {int(first[of_sample[i]])}: {float(expected[i])!r}): every sample of a "
+                         f"rollout carries the whole rollout's count ({_SEE})", i)
 
 
 def _check_not_more_than_expected(here: Tensor, expected: Tensor, of_sample: Tensor) -> None:
