@@ -17,9 +17,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, backend, core, distributed, peers, rollouts, sampling_mask, staleness, versions
+from . import advantages, backend, batch_inputs, core, distributed, peers, rollouts, sampling_mask, staleness, versions
 from .config import MisConfig
-from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
+from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
 from .inputs import InputError, _tensor_problem  # noqa: F401
 
@@ -52,7 +52,7 @@ def compute_mis_weights_with_cp(
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
     return _run(args, cp, parallel_state, pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens),
-                extra=kwargs)
+                extra=batch_inputs.with_provided(kwargs))
 
 
 def compute_mis_weights_fsdp(
@@ -68,7 +68,7 @@ def compute_mis_weights_fsdp(
     kwargs of ``compute_mis_weights_with_cp`` (current policy, lags, advantages) are read the same way."""
     return _run(args, distributed.SINGLE, kwargs.get("parallel_state"), pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
-                 kwargs.get("response_lengths"), None), qkv_format="thd", extra=kwargs)
+                 kwargs.get("response_lengths"), None), qkv_format="thd", extra=batch_inputs.with_provided(kwargs))
 
 
 def compute_mis_weights(
@@ -249,7 +249,23 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
         pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
     masks = list(_full_masks(local.packed, correction, rejected).split_with_sizes(
         local.packed.response_lengths))
-    return pg_loss, masks, correction.metrics
+    return pg_loss, masks, _with_policy_metric(correction.metrics, args, local.config, pg_loss)
+
+
+def skips_old_policy_forward(args: Any) -> bool:
+    """The host skipped the old-policy forward (miles' ``--skip-actor-forward-only``): its ``train_log_probs`` are
+    then the training forward's own log-probs (π_θ, detached), not a separate π_old pass."""
+    return bool(host_setting(args, "skip_actor_forward_only"))
+
+
+def _with_policy_metric(metrics: dict[str, Tensor], args: Any, config: MisConfig, pg_loss: Tensor) -> dict:
+    """``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ, not π_old: the
+    skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against π_rollout, staleness and
+    (after the first minibatch) the update included (docs/hosts.md#skip-the-old-policy-forward)."""
+    if not (skips_old_policy_forward(args) or config.tis_policy == "current"):
+        return metrics
+    ones = torch.ones((), dtype=torch.float32, device=pg_loss.device).expand(pg_loss.numel())
+    return dict(sorted({**metrics, "mis_numerator_is_current_policy": ones}.items()))
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,

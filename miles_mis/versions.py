@@ -150,10 +150,13 @@ def require_current(current: Any, entry_kwarg: str = "cur_log_probs or current_l
 
 
 def detached_list(current: Any, train_log_probs: Any) -> list[Tensor]:
-    """The per-sequence current log-probs, detached, checked against ``train_log_probs``' layout."""
-    if isinstance(current, Tensor) or not isinstance(current, (list, tuple)):
+    """The per-sequence current log-probs, detached, checked against ``train_log_probs``' layout: a list of B 1-D
+    tensors, or one flat tensor of this rank's tokens (split by ``train_log_probs``' lengths)."""
+    if isinstance(current, Tensor):
+        current = _split_flat(current, train_log_probs)
+    if not isinstance(current, (list, tuple)):
         raise InputError(f"cur_log_probs is a {type(current).__name__}: expected a list of B 1-D tensors in "
-                         "train_log_probs' layout")
+                         "train_log_probs' layout, or one flat tensor of this rank's tokens")
     if train_log_probs is not None and len(current) != len(train_log_probs):
         raise InputError(f"cur_log_probs has {len(current)} sequences but train_log_probs has {len(train_log_probs)}")
     try:  # the fast path: one map per check; the sequences are walked only to name a bad one
@@ -171,3 +174,16 @@ def detached_list(current: Any, train_log_probs: Any) -> list[Tensor]:
                          f"{expected[i]}: the current policy's log-probs have train_log_probs' layout (this rank's "
                          "CP shard)", i)
     return list(map(Tensor.detach, current))
+
+
+def _split_flat(current: Tensor, train_log_probs: Any) -> list[Tensor]:
+    """A flat [N] current-policy tensor split into train_log_probs' per-sequence lengths."""
+    try:
+        lengths = list(map(Tensor.numel, train_log_probs))
+    except (AttributeError, TypeError):
+        lengths = None
+    if current.ndim != 1 or lengths is None or current.numel() != sum(lengths):
+        expected = "" if lengths is None else f" ({sum(lengths)} tokens, train_log_probs' this rank's tokens)"
+        raise InputError(f"cur_log_probs is a tensor of shape {tuple(current.shape)}: expected one flat 1-D tensor "
+                         f"of this rank's tokens{expected}, or a list of B 1-D tensors")
+    return list(current.split(lengths))
