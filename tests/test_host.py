@@ -355,3 +355,25 @@ def test_a_correction_function_with_an_explicit_signature_gets_only_what_it_name
         host.policy_loss(host.parse_args(["--use-tis", "--loss-type", "reinforce", "--pass-current-log-probs",
                                           "--custom-tis-function-path", f"{plugin_file}:identity"]), batch, current)
     assert host.optional_kwargs_taken(lambda **kwargs: None, {"advantages": 1}) == {"advantages": 1}
+
+
+# --------------------------------------------------------------------------- split rollouts: the hosts' denominators
+def test_split_rollouts_divide_by_the_whole_rollouts_token_count():
+    """Two samples of one rollout (2 and 3 trained tokens) and a third alone: the loss is the rollout's token mean
+    plus the third's mean, by hand, whether the batch gives rollout_ids or the hosts' rollout_mask_sums."""
+    batch, current = make_batch([[0.0, 0.0], [0.0, 0.0, 0.0], [0.0]], [[0.0, 0.0], [0.0, 0.0, 0.0], [0.0]],
+                                [[1.0, 2.0], [3.0, -1.0, 4.0], [5.0]])
+    args = args_for("--loss-type", "reinforce", "--use-rollout-logprobs")
+    values = [[float(v) for v in c.detach()] for c in current]
+    adv = [[1.0, 2.0], [3.0, -1.0, 4.0], [5.0]]
+    per_token = [[-a * v for a, v in zip(aa, vv)] for aa, vv in zip(adv, values)]
+    want = (sum(per_token[0]) + sum(per_token[1])) / 5 + per_token[2][0] / 1
+    for form in ({"rollout_ids": [7, 7, 8]}, {"rollout_mask_sums": [torch.tensor(5.0), torch.tensor(5.0), 1.0]}):
+        loss, _ = host.policy_loss(args, dict(batch, **form), current)
+        assert float(loss) == pytest.approx(want, rel=1e-6), form
+    loss, _ = host.policy_loss(args, batch, current)  # without them: each sample's own mean
+    assert float(loss) == pytest.approx(sum(per_token[0]) / 2 + sum(per_token[1]) / 3 + per_token[2][0], rel=1e-6)
+    assert host.sample_denominators({"rollout_ids": ["a", "b", "a"]}, [torch.ones(2), torch.ones(4),
+                                                                       torch.tensor([1.0, 0.0])]).tolist() == [3, 4, 3]
+    with pytest.raises(ValueError, match=r"rollout_ids'\] has 2 entries but the batch has 3 sequences"):
+        host.sample_denominators({"rollout_ids": [1, 2]}, [torch.ones(1)] * 3)

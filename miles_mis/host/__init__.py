@@ -36,6 +36,7 @@ from .loss import (
     policy_loss,
     ppo_clip_loss,
     safe_ratio,
+    sample_denominators,
     vanilla_tis,
 )
 
@@ -44,5 +45,5 @@ __all__ = [
     "HelpFormatter", "Reducer", "apply_mis_set", "build_parser", "call_packed", "check_flag_range",
     "convert_config_values", "flag_name", "host_config_text", "is_packed_entry", "load_function", "mask_sums",
     "merge_config_file", "mis_set_keys", "opsm_keep", "optional_kwargs_taken", "packed_cp_message", "parse_args", "parse_mis_set",
-    "policy_loss", "ppo_clip_loss", "safe_ratio", "validate_args", "vanilla_tis",
+    "policy_loss", "ppo_clip_loss", "safe_ratio", "sample_denominators", "validate_args", "vanilla_tis",
 ]

@@ -73,6 +73,35 @@ def mask_sums(masks: Sequence[Tensor]) -> Tensor:
     return torch.stack([m.float().sum() for m in masks]) if len(masks) else torch.zeros(0)
 
 
+ROLLOUT_KEYS = ("rollout_ids", "rollout_mask_sums")  # split rollouts, as the hosts' batches hold them
+
+
+def sample_denominators(batch: Mapping[str, Any], loss_masks: Sequence[Tensor]) -> Tensor:
+    """[B] the per-sample denominators of the loss mean, by the hosts' rule: ``rollout_mask_sums`` when the batch holds
+    them (each sample's whole rollout's trained-token count, summed over every sibling sample, also those in other
+    micro-batches); else, with ``rollout_ids``, the sums over the siblings in this batch; else each mask's own sum.
+    The siblings' shares then add up to one token mean per rollout."""
+    own = mask_sums(loss_masks)
+    given = batch.get("rollout_mask_sums")
+    if given is not None:
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in given]) if len(given) \
+            else torch.zeros(0, dtype=torch.float64)
+        if values.numel() != own.numel():
+            raise ValueError(f"batch['rollout_mask_sums'] has {values.numel()} entries but the batch has {own.numel()} "
+                             "sequences")
+        return values.to(own.dtype)
+    ids = batch.get("rollout_ids")
+    if ids is None:
+        return own
+    if len(ids) != own.numel():
+        raise ValueError(f"batch['rollout_ids'] has {len(ids)} entries but the batch has {own.numel()} sequences")
+    totals: dict[Any, float] = {}
+    for rollout, count in zip(ids, own.tolist()):
+        key = rollout.item() if isinstance(rollout, Tensor) else rollout
+        totals[key] = totals.get(key, 0.0) + count
+    return torch.tensor([totals[r.item() if isinstance(r, Tensor) else r] for r in ids], dtype=own.dtype)
+
+
 class Reducer:
     """miles' ``sum_of_sample_mean`` over this rank's tokens: Σ_seq Σ_local x·m / n_seq, n_seq the per-sequence
     count given (the input masks' sums, or the returned masks' with --loss-denominator returned-mask; a token sum
@@ -284,7 +313,7 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     rollout = None if rollout_log_probs is None else flat(rollout_log_probs)
     mask = flat(loss_masks).to(train.device)
     cu_seqlens = torch.tensor([0, *response_lengths], dtype=torch.long, device=train.device).cumsum(0)
-    extra = {key: kwargs[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS, "advantages")
+    extra = {key: kwargs[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS, *ROLLOUT_KEYS, "advantages")
              if kwargs.get(key) is not None}
     if kwargs.get("cur_log_probs") is not None:
         extra["current_log_probs"] = flat([t.detach() for t in kwargs["cur_log_probs"]])
@@ -354,7 +383,7 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     seq_index = torch.repeat_interleave(torch.arange(len(local_lengths)), torch.tensor(local_lengths, dtype=torch.long))
     full_mask = torch.cat(loss_masks).float() if loss_masks else torch.zeros(0)
     active = full_mask if positions is None else full_mask.index_select(0, positions)
-    denominators = mask_sums(loss_masks)
+    denominators = sample_denominators(batch, loss_masks)
     reduce = Reducer(loss_masks, denominators, seq_index, positions, args.calculate_per_token_loss)
 
     rollout = batch.get("rollout_log_probs")
@@ -381,7 +410,8 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     advantages = torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0) * active
     ppo_kl = torch.nan_to_num(old_flat - current, nan=0.0, posinf=0.0, neginf=0.0) * active
     # what the batch holds for the plugin as it is: lags, and the engine's sampling masks (CSR offsets per sample)
-    lag_kwargs = {key: batch[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS) if batch.get(key) is not None}
+    lag_kwargs = {key: batch[key] for key in (*LAG_KWARGS, *SAMPLING_MASK_KWARGS, *ROLLOUT_KEYS)
+                  if batch.get(key) is not None}
     return SimpleNamespace(function=function, packed_config=packed_config, log_probs=list(log_probs),
                            lag_kwargs=lag_kwargs,
                            response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
