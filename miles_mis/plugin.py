@@ -90,7 +90,7 @@ def compute_mis_weights(
     train_log_probs = _policy_log_probs(config, train_log_probs, kwargs)
     packed = _with_optional_inputs(pack_sequences(train_log_probs, rollout_log_probs, loss_masks,
                                                   train_name=_train_name(config)), config, kwargs)
-    correction = _correct_whole_sequences(packed.batch, config)
+    correction = _correct_whole_sequences(packed.batch, config, args)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
     weights = None if correction.weights is None else split(correction.weights)
     return weights, split(_full_masks(packed, correction)), {k: split(v) for k, v in correction.metrics.items()}
@@ -120,7 +120,7 @@ def compute_mis_weights_packed(
     integers, or ``weight_versions`` with ``current_weight_version``): each sequence's lag (docs/staleness.md);
     ``advantages`` (flat [N]): read by the directional ``rs_divergence`` options.
     """
-    config = MisConfig.from_args(config)
+    config_args, config = config, MisConfig.from_args(config)
     _refuse_dp_scopes(config, "compute_mis_weights_packed")
     given = dict(kwargs, current_log_probs=current_log_probs, version_lags=version_lags)
     train_name = "train_log_probs"
@@ -133,7 +133,7 @@ def compute_mis_weights_packed(
                                                   train_name=train_name), config, given)
     batch = sampling_mask.with_sizes(batch, given, batch.seq_lengths.tolist(), None)
     batch = _with_rollouts(batch, given, batch.per_seq_sum(batch.loss_mask))
-    correction = _correct_whole_sequences(batch, config)
+    correction = _correct_whole_sequences(batch, config, config_args)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
     return correction.weights, _zero_rejected(batch.loss_mask, correction.token_keep), correction.metrics
@@ -214,7 +214,7 @@ def _refuse_dp_scopes(config: MisConfig, entry: str) -> None:
                          "compute_mis_weights_with_cp with parallel_state")
 
 
-def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core.Correction:
+def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig, args: Any = None) -> core.Correction:
     """The core on whole sequences (context parallel size 1): the local table is the whole table."""
     terms = core.token_terms(batch, config)
     batch_values = core.local_batch_values(batch, terms, config)
@@ -222,7 +222,7 @@ def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig) -> core
     correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config,
                                batch_values=batch_values, bound=bound)
     peers.log_warning(correction)
-    return correction
+    return with_policy_metric(correction, args, config, batch.seq_index.numel())
 
 
 # --------------------------------------------------------------------------- the call with CP and DP peers
@@ -245,11 +245,12 @@ def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor,
             dp = peers.dp_group_of_raw_args(args, parallel_state)
     headers, batch_values = peers.agree_with_cp_peers(cp, dp, local, error)
     correction, rejected = peers.correct_with_peers(local, cp, dp, headers, batch_values)
+    correction = with_policy_metric(correction, args, local.config, local.packed.batch.seq_index.numel())
     if correction.weights is not None:
         pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
     masks = list(_full_masks(local.packed, correction, rejected).split_with_sizes(
         local.packed.response_lengths))
-    return pg_loss, masks, _with_policy_metric(correction.metrics, args, local.config, pg_loss)
+    return pg_loss, masks, correction.metrics
 
 
 def skips_old_policy_forward(args: Any) -> bool:
@@ -258,14 +259,16 @@ def skips_old_policy_forward(args: Any) -> bool:
     return bool(host_setting(args, "skip_actor_forward_only"))
 
 
-def _with_policy_metric(metrics: dict[str, Tensor], args: Any, config: MisConfig, pg_loss: Tensor) -> dict:
-    """``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ, not π_old: the
-    skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against π_rollout, staleness and
-    (after the first minibatch) the update included (docs/hosts.md#skip-the-old-policy-forward)."""
+def with_policy_metric(correction: core.Correction, args: Any, config: MisConfig,
+                       num_tokens: int) -> core.Correction:
+    """``correction`` with ``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ,
+    not π_old: the skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against π_rollout,
+    staleness and (after the first minibatch) the update included (docs/hosts.md#skip-the-old-policy-forward)."""
     if not (skips_old_policy_forward(args) or config.tis_policy == "current"):
-        return metrics
-    ones = torch.ones((), dtype=torch.float32, device=pg_loss.device).expand(pg_loss.numel())
-    return dict(sorted({**metrics, "mis_numerator_is_current_policy": ones}.items()))
+        return correction
+    ones = torch.ones((), dtype=torch.float32, device=correction.token_keep.device).expand(num_tokens)
+    metrics = dict(sorted({**correction.metrics, "mis_numerator_is_current_policy": ones}.items()))
+    return dataclasses.replace(correction, metrics=metrics)
 
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,

@@ -9,7 +9,7 @@ each host's exact keyword arguments, miles' skip-forward mode, the log dict and 
 ``loss_function`` (dispatch by ``--loss-type``, ``--recompute-loss-function``, the rescaling).
 
 Left out, as no path under test reaches them: OPSM, GSPO, CISPO, the KL loss, a custom pg-loss reducer, miles'
-``ess_ratio`` and ``train_rollout_kl`` log entries, temperature scaling, padding rows.
+``ess_ratio`` and ``train_rollout_kl`` log entries, temperature scaling.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ LOSS_MODULES = {"miles": "miles.backends.training_utils.loss_hub.losses",
 
 
 # --------------------------------------------------------------------------- the zigzag rows a CP rank holds
-def held_positions(span: int, length: int, rank: int, cp: int) -> list[int]:
-    """Token positions of one sample rank ``rank`` holds: chunk r, then chunk 2C−1−r, of ceil(span / 2C) tokens,
-    those < ``length`` (thd: span = length; bshd: the sample's max_seq_len)."""
+def held_positions(span: int, length: int, rank: int, cp: int, bshd: bool = False) -> list[int]:
+    """The token positions of one sample's rows on rank ``rank``, as the hosts lay out the logits: at CP size 1 the
+    sample's positions (thd: its L tokens; bshd: the span, padded); at CP size C chunk r, then chunk 2C−1−r, of
+    ceil(span / 2C) rows each (thd: span = L), padding rows (positions ≥ L) included. No response log-prob lies on a
+    padding row."""
     if cp == 1:
-        return list(range(length))
+        return list(range(span if bshd else length))
     chunk = -(-span // (2 * cp))
-    out = []
-    for k in (rank, 2 * cp - 1 - rank):
-        out += [p for p in range(k * chunk, (k + 1) * chunk) if p < length]
-    return out
+    return [p for k in (rank, 2 * cp - 1 - rank) for p in range(k * chunk, (k + 1) * chunk)]
 
 
 def response_rows(total: int, response: int, held: list[int]) -> list[tuple[int, int]]:
@@ -70,9 +69,10 @@ class Double:
         bshd = getattr(args, "qkv_format", "thd") == "bshd"
         for i, (total, response) in enumerate(zip(total_lengths, response_lengths)):
             span = self._span(args, i, total_lengths, max_seq_lens)
-            held = held_positions(span, total, self.cp.rank, self.cp.size)
+            held = held_positions(span, total, self.cp.rank, self.cp.size, bshd)
             rows = response_rows(total, response, held)
-            sample_logits = logits[i] if bshd else logits[0, offset:offset + len(held)]
+            flat = logits.view(-1, logits.shape[-1]) if bshd else logits[0]  # bshd: [B·S_local, V], as the hosts
+            sample_logits = flat[offset:offset + len(held)]
             offset += len(held)
             index = torch.tensor([row for row, _ in rows], dtype=torch.long)
             targets = torch.tensor([int(unconcat_tokens[i][held[row] + 1]) for row, _ in rows], dtype=torch.long)
@@ -89,7 +89,8 @@ class Double:
     def local_masks(self, args, total_lengths, response_lengths, loss_masks, max_seq_lens=None):
         out = []
         for i, (total, response, mask) in enumerate(zip(total_lengths, response_lengths, loss_masks)):
-            held = held_positions(self._span(args, i, total_lengths, max_seq_lens), total, self.cp.rank, self.cp.size)
+            held = held_positions(self._span(args, i, total_lengths, max_seq_lens), total, self.cp.rank, self.cp.size,
+                                  getattr(args, "qkv_format", "thd") == "bshd")
             index = torch.tensor([j for _, j in response_rows(total, response, held)], dtype=torch.long)
             out.append(mask.index_select(0, index))
         return out
@@ -273,7 +274,8 @@ def make_batch(seed: int, cp_rank: int = 0, cp_size: int = 1, fmt: str = "thd", 
     responses = [int(n) for n in torch.randint(0, 15, (num_samples,), generator=gen)]
     responses[0] = 0
     totals = [n + int(torch.randint(2, 9, (1,), generator=gen)) for n in responses]
-    spans = [t + int(torch.randint(0, 6, (1,), generator=gen)) for t in totals] if fmt == "bshd" else None
+    # bshd: every sample padded to the micro-batch's one length (the hosts' row offset of sample i is i·max_seq_len)
+    spans = [max(totals) + int(torch.randint(0, 6, (1,), generator=gen))] * num_samples if fmt == "bshd" else None
     tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in totals]
     full_logits = torch.randn(sum(totals), vocab, generator=gen).requires_grad_(True)
     starts = [0] + torch.tensor(totals).cumsum(0).tolist()
@@ -292,22 +294,16 @@ def make_batch(seed: int, cp_rank: int = 0, cp_size: int = 1, fmt: str = "thd", 
     for rid, mask in zip(ids, loss_masks):
         mask_sums[rid] = mask_sums.get(rid, 0.0) + float(mask.sum())
 
-    # this rank's rows
-    local, rows = [], []
+    # this rank's rows: the full logits at the positions it holds, zeros on padding rows
+    local, blocks = [], []
+    padding = full_logits.new_zeros(1, vocab)
     for i, (total, response) in enumerate(zip(totals, responses)):
         span = spans[i] if fmt == "bshd" else total
-        held = held_positions(span, total, cp_rank, cp_size)
-        rows.append([starts[i] + p for p in held])
+        held = held_positions(span, total, cp_rank, cp_size, fmt == "bshd")
         local.append(torch.tensor([j for _, j in response_rows(total, response, held)], dtype=torch.long))
-    if fmt == "bshd":
-        width = max(2 * -(-s // (2 * cp_size)) for s in spans) if cp_size > 1 else max(spans)
-        blocks = []
-        for r in rows:
-            block = full_logits.index_select(0, torch.tensor(r, dtype=torch.long))
-            blocks.append(torch.cat([block, block.new_zeros(width - block.shape[0], vocab)]))
-        logits = torch.stack(blocks)
-    else:
-        logits = full_logits.index_select(0, torch.tensor(sum(rows, []), dtype=torch.long))[None]
+        source = torch.cat([full_logits[starts[i]:starts[i + 1]], padding])  # row `total`: the padding row
+        blocks.append(source.index_select(0, torch.tensor([min(p, total) for p in held], dtype=torch.long)))
+    logits = torch.stack(blocks) if fmt == "bshd" else torch.cat(blocks)[None]
     take = lambda values: [v.index_select(0, ix) for v, ix in zip(values, local)]  # noqa: E731
     batch = {"advantages": take(advantages), "log_probs": take(old), "rollout_log_probs": take(rollout),
              "loss_masks": loss_masks, "total_lengths": totals, "response_lengths": responses,
