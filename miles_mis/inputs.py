@@ -106,7 +106,9 @@ def _require_log_probs(train_log_probs, rollout_log_probs) -> None:
         raise InputError("rollout_log_probs is None: the host must return rollout log-probs from the engine "
                          "(miles: the rollout must keep per-token log-probs) to measure or correct the mismatch")
     if train_log_probs is None:
-        raise InputError("train_log_probs is None: the host must pass the trainer's recomputed log-probs")
+        raise InputError("train_log_probs is None: the host must pass the trainer's recomputed log-probs (miles skips "
+                         "its old-policy forward under --use-rollout-logprobs unless --get-mismatch-metrics is set: "
+                         "drop --use-rollout-logprobs or add --get-mismatch-metrics)")
 
 
 def _check_list_arguments(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,

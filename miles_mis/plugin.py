@@ -12,7 +12,7 @@ tensors and ``cu_seqlens`` without lists. The host contract is in docs/contract.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,7 +132,7 @@ def compute_mis_weights_packed(
     batch = _batch_with_optional_inputs(pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
                                                   train_name=train_name), config, given)
     batch = sampling_mask.with_sizes(batch, given, batch.seq_lengths.tolist(), None)
-    batch = _with_rollouts(batch, given, batch.per_seq_sum(batch.loss_mask))
+    batch = _with_rollouts(batch, given, lambda: batch.per_seq_sum(batch.loss_mask))
     correction = _correct_whole_sequences(batch, config, config_args)
     if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
         return None, batch.loss_mask.clone(), correction.metrics
@@ -161,7 +161,7 @@ def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict)
     with the advantages' signs when the config reads them (``miles_mis.advantages``)."""
     batch = sampling_mask.with_sizes(_batch_with_optional_inputs(packed.batch, config, kwargs), kwargs,
                                      packed.response_lengths, packed.local_positions)
-    batch = _with_rollouts(batch, kwargs, _full_mask_sums(packed))
+    batch = _with_rollouts(batch, kwargs, lambda: _full_mask_sums(packed))
     if batch.lags is None and batch.rollouts is None:
         return packed if batch is packed.batch else dataclasses.replace(packed, batch=batch)
     table, names = packed.length_table, packed.length_names
@@ -181,10 +181,13 @@ def _full_mask_sums(packed: PackedInputs) -> Tensor:
         0, sample, packed.full_masks.double())
 
 
-def _with_rollouts(batch: core.PackedBatch, kwargs: dict, full_mask_sums: Tensor) -> core.PackedBatch:
-    """``batch`` with the host's split rollouts (``miles_mis.rollouts``) when it passes ``rollout_ids``."""
-    groups = rollouts.groups_of(kwargs, full_mask_sums, batch.seq_index.device)
-    return batch if groups is None else dataclasses.replace(batch, rollouts=groups)
+def _with_rollouts(batch: core.PackedBatch, kwargs: dict, full_mask_sums: Callable[[], Tensor]) -> core.PackedBatch:
+    """``batch`` with the host's split rollouts (``miles_mis.rollouts``) when it passes ``rollout_ids``;
+    ``full_mask_sums`` is computed only then."""
+    if not rollouts.given(kwargs):
+        return batch
+    groups = rollouts.groups_of(kwargs, full_mask_sums(), batch.seq_index.device)
+    return dataclasses.replace(batch, rollouts=groups)
 
 
 def _batch_with_optional_inputs(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:

@@ -14,7 +14,8 @@ every sample, so the groups are the same on every rank and the result equals cp 
 A rollout whose samples are not all in this call (another micro-batch or DP rank) cannot be seen whole. When the
 host passes ``rollout_mask_sums`` (the rollout's trained-token count, per sample) the call compares it with the
 trained tokens its samples hold here: a group holding fewer is *incomplete*; its sequence-level stages act on the part
-present, and ``mis_rollout_incomplete_fraction`` counts its samples (docs/hosts.md). Every failure is an
+present, and ``mis_rollout_incomplete_fraction`` counts its samples (docs/hosts.md). Given ``rollout_mask_sums``
+without ids, each sample is checked alone: a fragment of a larger rollout is counted the same way. Every failure is an
 ``InputError`` naming the sequence, raised before any collective.
 """
 
@@ -42,6 +43,7 @@ class RolloutGroups:
     count: int  # G, the number of rollouts in the call
     size: Tensor  # [G] int64, samples of each rollout in the call
     incomplete: Tensor | None  # [G] bool, fewer trained tokens here than rollout_mask_sums says; None = not known
+    ids_given: bool = True  # False: only rollout_mask_sums were given (each sample its own group)
 
     @property
     def trivial(self) -> bool:
@@ -51,18 +53,21 @@ class RolloutGroups:
 
 
 def given(kwargs: Mapping[str, Any]) -> bool:
-    return kwargs.get(KWARG) is not None
+    """The host passed ``rollout_ids`` or ``rollout_mask_sums``."""
+    return kwargs.get(KWARG) is not None or kwargs.get(MASK_SUMS_KWARG) is not None
 
 
 def groups_of(kwargs: Mapping[str, Any], full_mask_sums: Tensor, device: Any = "cpu") -> RolloutGroups | None:
-    """The call's rollout groups from ``rollout_ids`` (None when the host passes none). ``full_mask_sums``: [B] each
-    sample's trained-token count over its WHOLE response (the same on every CP rank), compared with
-    ``rollout_mask_sums`` when given."""
+    """The call's rollout groups from ``rollout_ids`` (None when the host passes neither input). ``full_mask_sums``:
+    [B] each sample's trained-token count over its WHOLE response (the same on every CP rank), compared with
+    ``rollout_mask_sums`` when given. With ``rollout_mask_sums`` alone (miles' and slime's loss batches hold them, not
+    the ids) each sample is its own group, and one holding fewer trained tokens than its rollout is incomplete: a
+    fragment, whose sequence-level stages see part of the rollout."""
     ids = kwargs.get(KWARG)
-    if ids is None:
+    if ids is None and kwargs.get(MASK_SUMS_KWARG) is None:
         return None
     num_seqs = full_mask_sums.numel()
-    of_sample = group_index(ids, num_seqs)
+    of_sample = group_index(ids, num_seqs) if ids is not None else torch.arange(num_seqs)
     count = int(of_sample.max()) + 1 if num_seqs else 0
     size = torch.bincount(of_sample, minlength=count)
     sums = kwargs.get(MASK_SUMS_KWARG)
@@ -77,7 +82,7 @@ def groups_of(kwargs: Mapping[str, Any], full_mask_sums: Tensor, device: Any = "
         # a relative slack: mask sums of float masks (0.5, 2.0) are sums of floats, not counts
         incomplete = here < per_group * (1.0 - 1e-6) - 1e-6
         incomplete = incomplete.to(device)
-    return RolloutGroups(of_sample.to(device), count, size.to(device), incomplete)
+    return RolloutGroups(of_sample.to(device), count, size.to(device), incomplete, ids is not None)
 
 
 def group_index(ids: Any, num_seqs: int) -> Tensor:

@@ -171,6 +171,17 @@ def test_a_rollout_with_tokens_outside_the_call_is_counted():
     assert torch.cat(metrics["mis_rollout_split_fraction"]).tolist() == [0.0, 0.0]
 
 
+def test_without_ids_the_mask_sums_alone_flag_fragments():
+    """miles' and slime's loss batches hold rollout_mask_sums but not the ids: a sample holding fewer trained tokens
+    than its rollout is a fragment, counted; nothing is grouped (the weights are the per-sample ones)."""
+    inputs = two_fragments()
+    alone, _, _ = compute_mis_weights(SEQUENCE_TIS, **inputs)
+    weights, _, metrics = compute_mis_weights(SEQUENCE_TIS, rollout_mask_sums=[2.0, 1.0], **inputs)
+    assert torch.cat(metrics["mis_rollout_incomplete_fraction"]).tolist() == [1.0, 0.0]
+    assert "mis_rollout_split_fraction" not in metrics
+    assert torch.equal(torch.cat(weights), torch.cat(alone))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"rollout_ids": [7]}, r"^rollout_ids has 1 entries but the batch has 2 sequences"),
     ({"rollout_ids": "77"}, r"^rollout_ids is a str: expected B ids"),

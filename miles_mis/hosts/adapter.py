@@ -98,11 +98,10 @@ def batch_inputs_for(host: Host, module: Any, config: MisConfig, args: Any, batc
     if config.tis_policy == "current":
         with torch.no_grad():  # the values only: the correction's weights are detached
             inputs["cur_log_probs"] = [t.detach() for t in host.current_log_probs(module, args, batch, logits)]
-    if batch.get(rollouts.KWARG) is not None:
-        inputs[rollouts.KWARG] = batch[rollouts.KWARG]
-        if batch.get(rollouts.MASK_SUMS_KWARG) is not None:
-            inputs[rollouts.MASK_SUMS_KWARG] = batch[rollouts.MASK_SUMS_KWARG]
-    inputs.update(_lags(host, config, args, batch))
+    for key in (rollouts.KWARG, rollouts.MASK_SUMS_KWARG):  # ids group; the counts alone flag fragments
+        if batch.get(key) is not None:
+            inputs[key] = batch[key]
+    inputs.update(batch_lags(host, config, args, batch))
     offsets = batch.get(host.sampling_mask_key)
     if offsets is not None:
         inputs[host.sampling_mask_key if host.sampling_mask_key in sampling_mask.OFFSET_KWARGS
@@ -110,7 +109,7 @@ def batch_inputs_for(host: Host, module: Any, config: MisConfig, args: Any, batc
     return inputs
 
 
-def _lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+def batch_lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     """Each sample's lag from the batch's ``weight_versions`` (one list of versions per sample, as miles records
     them), relative to ``args.current_weight_version`` when set (the trainer's version, an int a hook may set), else
     to the newest version among the batch's samples (then every lag is a lower bound: docs/hosts.md#lags)."""
