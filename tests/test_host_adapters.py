@@ -251,6 +251,18 @@ def test_a_host_without_policy_loss_function_is_named(monkeypatch):
         miles_loss.policy_loss(host_args(), batch, logits, lambda x: x.sum())
 
 
+def test_a_host_without_the_log_prob_helper_is_named_when_the_current_policy_is_needed():
+    double = Double("slime")
+    with installed(double) as module:
+        del module.get_log_probs_and_entropy
+        batch, _, logits, _ = make_batch(0)
+        args = host_args(**dict(MIS_YAML, tis_policy="current"), use_tis=True, loss_type="custom_loss",
+                         custom_loss_function_path=ADAPTERS["slime"])
+        with pytest.raises(ImportError, match=r"has no get_log_probs_and_entropy, which tis_policy: current needs .* "
+                                              r"\(THUDM/slime@624b824a8\)$"):
+            double.loss_function(args, batch, logits)
+
+
 # --------------------------------------------------------------------------- skip-forward and gradient-carrying inputs
 def test_the_skip_forward_mode_is_recognised_and_said():
     """miles' --skip-actor-forward-only: the hook's train_log_probs are the training forward's own (detached)."""

@@ -79,6 +79,9 @@ def test_every_stage_applies_to_the_current_ratio(stage):
     substituted = call(MisConfig(use_tis=True, **stage), current, rollout, masks)
     assert torch.equal(with_current[0], substituted[0])
     assert all(torch.equal(a, b) for a, b in zip(with_current[1], substituted[1]))
+    # the same metrics, and the one that says the numerator is the current policy (1 on every token)
+    flag = with_current[2].pop("mis_numerator_is_current_policy")
+    assert all(bool((f == 1).all()) for f in flag) and sum(f.numel() for f in flag) == sum(m.numel() for m in masks)
     assert sorted(with_current[2]) == sorted(substituted[2])
     assert all(torch.equal(with_current[2][k], substituted[2][k]) for k in with_current[2])
 

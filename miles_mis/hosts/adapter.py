@@ -96,6 +96,10 @@ def batch_inputs_for(host: Host, module: Any, config: MisConfig, args: Any, batc
     if advantages.needed(config):
         inputs["advantages"] = _required(batch, "advantages", host, _directional_options(config))
     if config.tis_policy == "current":
+        if not callable(getattr(module, "get_log_probs_and_entropy", None)):
+            raise ImportError(f"miles_mis.hosts: {host.loss_module} has no get_log_probs_and_entropy, which tis_policy: "
+                              f"current needs for the current policy's log-probs: this {host.name} version differs from "
+                              f"the one the adapter was verified against ({host.where})")
         with torch.no_grad():  # the values only: the correction's weights are detached
             inputs["cur_log_probs"] = [t.detach() for t in host.current_log_probs(module, args, batch, logits)]
     for key in (rollouts.KWARG, rollouts.MASK_SUMS_KWARG):  # ids group; the counts alone flag fragments
