@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 _PROVIDED: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("miles_mis_batch_inputs", default={})
 
@@ -27,9 +27,20 @@ def provided(inputs: Mapping[str, Any]) -> Iterator[None]:
         _PROVIDED.reset(token)
 
 
+class Deferred:
+    """An input known only once the host's loss has run up to the hook (the current policy's log-probs, which the
+    host computes itself): ``value()`` is called when the hook reads the inputs."""
+
+    def __init__(self, value: Callable[[], Any]):
+        self.value = value
+
+
 def with_provided(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with what the adapter provided added (the host's own keyword arguments win)."""
+    """``kwargs`` with what the adapter provided added (the host's own keyword arguments win), deferred inputs read
+    now."""
     inputs = _PROVIDED.get()
     if not inputs:
         return dict(kwargs)
-    return {**inputs, **{key: value for key, value in kwargs.items() if value is not None}}
+    given = {key: value for key, value in kwargs.items() if value is not None}
+    return {**{key: value.value() if isinstance(value, Deferred) else value
+               for key, value in inputs.items() if key not in given}, **given}

@@ -52,7 +52,7 @@ def compute_mis_weights_with_cp(
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
     return _run(args, cp, parallel_state, pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens),
-                extra=batch_inputs.with_provided(kwargs))
+                extra=kwargs)
 
 
 def compute_mis_weights_fsdp(
@@ -68,7 +68,7 @@ def compute_mis_weights_fsdp(
     kwargs of ``compute_mis_weights_with_cp`` (current policy, lags, advantages) are read the same way."""
     return _run(args, distributed.SINGLE, kwargs.get("parallel_state"), pg_loss,
                 (train_log_probs, rollout_log_probs, loss_masks, kwargs.get("total_lengths"),
-                 kwargs.get("response_lengths"), None), qkv_format="thd", extra=batch_inputs.with_provided(kwargs))
+                 kwargs.get("response_lengths"), None), qkv_format="thd", extra=kwargs)
 
 
 def compute_mis_weights(
@@ -276,7 +276,9 @@ def with_policy_metric(correction: core.Correction, args: Any, config: MisConfig
 
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
              qkv_format: str | None, extra: dict) -> peers.PreparedCall:
-    """The config, this rank's validated tokens and their token terms: everything before the first exchange."""
+    """The config, this rank's validated tokens and their token terms: everything before the first exchange. The
+    inputs a host adapter provides (``miles_mis.batch_inputs``) join ``extra`` here, inside the agreement."""
+    extra = batch_inputs.with_provided(extra)
     config = MisConfig.from_args(args)
     qkv_format = qkv_format or qkv_format_of(args)
     train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens = inputs
@@ -289,19 +291,22 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
     terms = core.token_terms(packed.batch, config)
     rejected = core.token_rejections(terms, config) if cp.size > 1 and core.rejects_tokens(config) else None
     return peers.PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None,
-                                                           packed.batch.mask_sizes is not None),
+                                                           packed.batch.mask_sizes is not None,
+                                                           rollouts.form(packed.batch.rollouts)),
                          core.local_batch_values(packed.batch, terms, config), rejected,
                          0 if rejected is None else int(rejected.sum()))
 
 
-def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False) -> str:
+def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False,
+                rollout_inputs: str = "none") -> str:
     """The effective settings of a call as "key=value" lines: compared across ranks (fingerprint) and shown
-    key by key when they differ. Whether the host passed lags (they change the table's width) and sampling masks
-    (they add metrics) is part of it: every rank of a group must agree on them, and so on the kernel backend each
-    rank actually runs (``backend.effective``: eager where a compiler is missing)."""
+    key by key when they differ. Whether the host passed lags and split-rollout inputs (they change the table's
+    width) and sampling masks (they add metrics) is part of it: every rank of a group must agree on them, and so on
+    the kernel backend each rank actually runs (``backend.effective``: eager where a compiler is missing).
+    ``rollout_inputs``: ``rollouts.form`` ("ids", "mask_sums" or "none")."""
     values = dict(config.to_dict(), kernel_backend=backend.effective(config.kernel_backend), qkv_format=qkv_format,
                   version_lags="given" if has_lags else "none",
-                  sampling_masks="given" if has_mask_sizes else "none")
+                  sampling_masks="given" if has_mask_sizes else "none", rollout_inputs=rollout_inputs)
     return "\n".join(f"{key}={values[key]!r}" for key in sorted(values))
 
 

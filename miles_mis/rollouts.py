@@ -57,6 +57,14 @@ def given(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(KWARG) is not None or kwargs.get(MASK_SUMS_KWARG) is not None
 
 
+def form(groups: RolloutGroups | None) -> str:
+    """Which split-rollout inputs a call was given: "ids", "mask_sums" (the counts alone) or "none" (the CP ranks of
+    a call must agree on it: it changes the exchanged table's width and the metrics)."""
+    if groups is None:
+        return "none"
+    return "ids" if groups.ids_given else "mask_sums"
+
+
 def groups_of(kwargs: Mapping[str, Any], full_mask_sums: Tensor, device: Any = "cpu") -> RolloutGroups | None:
     """The call's rollout groups from ``rollout_ids`` (None when the host passes neither input). ``full_mask_sums``:
     [B] each sample's trained-token count over its WHOLE response (the same on every CP rank), compared with
@@ -88,6 +96,8 @@ def groups_of(kwargs: Mapping[str, Any], full_mask_sums: Tensor, device: Any = "
 def group_index(ids: Any, num_seqs: int) -> Tensor:
     """[B] int64: each sample's group, numbered by first appearance (ids [7, 3, 7] -> [0, 1, 0]). ``ids``: B integers
     (a list, a tuple or an integer tensor) or B strings."""
+    if _is_array(ids):  # a numpy array (miles stores the ids with an int64 array codec)
+        ids = torch.as_tensor(ids)
     if isinstance(ids, Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.ndim != 1:
             raise InputError(f"{KWARG} is a {ids.dtype} tensor of shape {tuple(ids.shape)}: expected B integer ids, "
@@ -112,10 +122,12 @@ def group_index(ids: Any, num_seqs: int) -> Tensor:
 
 
 def _id_values(ids: list) -> Tensor:
-    """Integer ids as an int64 tensor; string ids by first appearance; anything else named."""
+    """Integer ids (Python or numpy) as an int64 tensor; string ids by first appearance; anything else named."""
     kinds = set(map(type, ids))
     if kinds <= {int}:
         return torch.tensor(ids, dtype=torch.long)
+    if all(isinstance(value, numbers.Integral) and not isinstance(value, bool) for value in ids):
+        return torch.tensor([int(value) for value in ids], dtype=torch.long)
     if kinds <= {str}:
         index: dict[str, int] = {}
         return torch.tensor([index.setdefault(value, len(index)) for value in ids], dtype=torch.long)
@@ -131,8 +143,20 @@ def _id_values(ids: list) -> Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _is_array(value: Any) -> bool:
+    """A numpy array (or another array type torch reads), not a tensor, list or string."""
+    return (hasattr(value, "__array__") and hasattr(value, "dtype") and not isinstance(value, (Tensor, list, tuple))
+            and getattr(value, "ndim", 0) >= 1)
+
+
 def _mask_sums(values: Any, num_seqs: int) -> Tensor:
-    """``rollout_mask_sums`` as [B] float64 (a list of numbers, or a tensor), finite and ≥ 0."""
+    """``rollout_mask_sums`` as [B] float64 (a list of numbers or 0-d tensors, a tensor or a numpy array), finite and
+    ≥ 0. A list of 0-d tensors (miles' micro-batch holds them on the GPU) is stacked first: one device read, not one
+    per sample."""
+    if _is_array(values):
+        values = torch.as_tensor(values)
+    if isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) and v.numel() == 1 for v in values):
+        values = torch.stack([v.detach().reshape(()).to(values[0].device) for v in values])
     if isinstance(values, Tensor):
         if values.is_complex() or values.dtype == torch.bool or values.ndim != 1:
             raise InputError(f"{MASK_SUMS_KWARG} is a {values.dtype} tensor of shape {tuple(values.shape)}: expected B "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -53,6 +54,7 @@ class Double:
         self.host = host
         self.cp = SimpleNamespace(rank=cp_rank, size=cp_size, group=cp_group)
         self.hook_calls: list[dict] = []  # the keyword arguments of every correction-hook call (for the tests)
+        self.module = None  # the loss module it is installed as: its policy loss calls the module's helpers by name
 
     # -------------------------------------------------------------- parallel state
     def get_parallel_state(self):
@@ -125,7 +127,9 @@ class Double:
         total_lengths, response_lengths = batch["total_lengths"], batch["response_lengths"]
         max_seq_lens = batch.get("max_seq_lens")
         with_entropy = host == "slime" or args.entropy_coef != 0
-        out = self.get_log_probs_and_entropy(
+        # looked up in the loss module at call time, as the hosts' module-level functions do
+        helper = getattr(self.module, "get_log_probs_and_entropy", self.get_log_probs_and_entropy)
+        out = helper(
             logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=total_lengths,
             response_lengths=response_lengths, with_entropy=with_entropy, max_seq_lens=max_seq_lens)
         values = out[1] if host == "slime" else out
@@ -204,8 +208,11 @@ class Double:
             function = load_function(args.custom_loss_function_path)
         else:
             raise ValueError(f"Unknown loss type: {args.loss_type}")
-        if getattr(args, "recompute_loss_function", False):
-            loss, log = torch.utils.checkpoint.checkpoint(function, args, batch, logits, reducer, use_reentrant=False)
+        if getattr(args, "recompute_loss_function", False):  # miles: torch's default (reentrant); slime: not
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "use_reentrant should be passed explicitly"
+                mode = {} if self.host == "miles" else {"use_reentrant": False}
+                loss, log = torch.utils.checkpoint.checkpoint(function, args, batch, logits, reducer, **mode)
         else:
             loss, log = function(args, batch, logits, reducer)
         if not args.calculate_per_token_loss:
@@ -257,6 +264,7 @@ def installed(double: Double):
         setattr(module, name, getattr(double, name))
     if double.host == "slime":
         module.get_rollout_top_p_logprob_kwargs = double.get_rollout_top_p_logprob_kwargs
+    double.module = module
     try:
         yield module
     finally:

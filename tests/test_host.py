@@ -377,3 +377,5 @@ def test_split_rollouts_divide_by_the_whole_rollouts_token_count():
                                                                        torch.tensor([1.0, 0.0])]).tolist() == [3, 4, 3]
     with pytest.raises(ValueError, match=r"rollout_ids'\] has 2 entries but the batch has 3 sequences"):
         host.sample_denominators({"rollout_ids": [1, 2]}, [torch.ones(1)] * 3)
+    with pytest.raises(ValueError, match=r"^sequence 1: batch\['rollout_mask_sums'\]\[1\]=nan is invalid"):
+        host.sample_denominators({"rollout_mask_sums": [1.0, float("nan")]}, [torch.ones(1)] * 2)

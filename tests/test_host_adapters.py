@@ -16,7 +16,6 @@ import torch
 from cp_harness import spawn
 from host_doubles import Double, host_args, installed, make_batch
 
-import miles_mis
 from miles_mis import MisConfig, compute_mis_weights_with_cp
 from miles_mis.hosts import miles_loss, slime_loss
 
@@ -119,18 +118,21 @@ def test_an_unset_tis_path_runs_miles_mis_and_a_foreign_one_is_refused(host):
             double.loss_function(args, batch, logits)
 
 
-def test_recompute_loss_function_gives_the_same_gradient():
-    """--recompute-loss-function runs the loss again in backward: the adapter's batch inputs are set again there."""
+@pytest.mark.parametrize("host", ["miles", "slime"])
+def test_recompute_loss_function_gives_the_same_gradient(host):
+    """--recompute-loss-function runs the loss again in backward (miles: reentrant checkpoint, slime: not): the
+    adapter's batch inputs and the kept current log-probs are set again there."""
     config = dict(MIS_YAML, tis_policy="current")
     results = []
     for recompute in (False, True):
-        double = Double("miles")
+        double = Double(host)
         with installed(double):
             batch, leaf, logits, _ = make_batch(3)
-            args = host_args(**config, use_tis=True, loss_type="custom_loss", custom_loss_function_path=ADAPTERS["miles"],
+            args = host_args(**config, use_tis=True, loss_type="custom_loss", custom_loss_function_path=ADAPTERS[host],
                              recompute_loss_function=recompute)
             results.append(run(double, args, batch, leaf, logits))
-    assert_same(*results, "recompute")
+            assert len(double.hook_calls) == 1 + recompute  # the hook ran again in backward
+    assert_same(*results, f"{host} recompute")
 
 
 # --------------------------------------------------------------------------- the batch's inputs reach the correction
@@ -221,14 +223,21 @@ def test_lags_without_weight_versions_name_the_host_commit():
     assert "\n" not in str(caught.value)
 
 
-def test_lags_default_to_the_newest_version_in_the_batch():
+def test_lags_need_the_trainers_version_and_are_read_only_with_both():
     from miles_mis.hosts.adapter import batch_lags
 
-    config = MisConfig.from_args(host_args(**dict(MIS_YAML, rs_max_lag=2), use_tis=True))
+    acting = MisConfig.from_args(host_args(**dict(MIS_YAML, rs_max_lag=2), use_tis=True))
+    watching = MisConfig.from_args(host_args(**MIS_YAML, get_mismatch_metrics=True))
     batch = {"weight_versions": [["5", "7"], ["default", "6"], ["7"]]}
-    assert batch_lags(miles_loss.MILES, config, host_args(), batch) == {"weight_versions": batch["weight_versions"],
-                                                                    "current_weight_version": 7}
-    assert batch_lags(miles_loss.MILES, config, host_args(current_weight_version=9), batch)["current_weight_version"] == 9
+    with pytest.raises(ValueError, match=r"^rs_max_lag needs each sample's lag, the trainer's weight version minus the "
+                                         r"sample's, but args.current_weight_version is not set"):
+        batch_lags(miles_loss.MILES, acting, host_args(), batch)
+    assert batch_lags(miles_loss.MILES, acting, host_args(current_weight_version=9), batch) == {
+        "weight_versions": batch["weight_versions"], "current_weight_version": 9}
+    # monitoring: read only when both are there (no lag relative to another sample's version)
+    assert batch_lags(miles_loss.MILES, watching, host_args(), batch) == {}
+    assert batch_lags(miles_loss.MILES, watching, host_args(current_weight_version=9), {}) == {}
+    assert batch_lags(miles_loss.MILES, watching, host_args(current_weight_version=9), batch)["current_weight_version"] == 9
 
 
 # --------------------------------------------------------------------------- outside the host
@@ -249,6 +258,25 @@ def test_a_host_without_policy_loss_function_is_named(monkeypatch):
     with pytest.raises(ImportError, match=r"has no policy_loss_function: this miles version differs from the one the "
                                           r"adapter was verified against \(radixark/miles@31f1ca961\)"):
         miles_loss.policy_loss(host_args(), batch, logits, lambda x: x.sum())
+
+
+@pytest.mark.parametrize("host", ["miles", "slime"])
+def test_the_current_policy_is_the_hosts_own_log_probs_computed_once(host):
+    """tis_policy: current reads the log-probs the host's loss computes (no second log-softmax over the logits), and
+    the host's helper is restored after the call, also when the loss raises."""
+    double = Double(host)
+    with installed(double) as module:
+        original, calls = module.get_log_probs_and_entropy, []
+        module.get_log_probs_and_entropy = lambda *a, **k: calls.append(1) or original(*a, **k)
+        helper = module.get_log_probs_and_entropy
+        batch, leaf, logits, _ = make_batch(6)
+        args = host_args(**dict(MIS_YAML, tis_policy="current"), use_tis=True, loss_type="custom_loss",
+                         custom_loss_function_path=ADAPTERS[host])
+        run(double, args, batch, leaf, logits)
+        assert len(calls) == 1 and module.get_log_probs_and_entropy is helper
+        with pytest.raises(ValueError, match="policy loss requires old-policy log-probs"):
+            double.loss_function(args, dict(batch, log_probs=None), logits)
+        assert module.get_log_probs_and_entropy is helper
 
 
 def test_a_host_without_the_log_prob_helper_is_named_when_the_current_policy_is_needed():
@@ -282,7 +310,7 @@ def test_the_skip_forward_mode_is_recognised_and_said():
 @pytest.mark.parametrize("spelling", ["cur_log_probs", "current_log_probs"])
 @pytest.mark.parametrize("flat", [False, True])
 def test_current_log_probs_with_grad_are_detached(spelling, flat):
-    """slime PRs 2084 / 1912 pass the current log-probs with their graph: no gradient flows through the weights."""
+    """Current log-probs passed with their graph (per sequence or flat): no gradient flows through the weights."""
     gen = torch.Generator().manual_seed(0)
     current = [(-torch.rand(n, generator=gen)).requires_grad_() for n in (3, 0, 4)]
     rollout = [c.detach() + 0.3 * torch.randn(c.shape, generator=gen) for c in current]
@@ -332,6 +360,3 @@ def adapters_cp_worker(rank, size):
 def test_the_adapter_equals_the_hosts_own_path_at_cp2():
     spawn(adapters_cp_worker, 2, timeout=400)
 
-
-def test_exported():
-    assert miles_mis.hosts.miles_loss.policy_loss is miles_loss.policy_loss

@@ -171,6 +171,19 @@ def test_a_rollout_with_tokens_outside_the_call_is_counted():
     assert torch.cat(metrics["mis_rollout_split_fraction"]).tolist() == [0.0, 0.0]
 
 
+def test_numpy_ids_and_counts_as_a_host_stores_them():
+    """miles keeps rollout ids and counts in int64 / float arrays: numpy arrays and numpy scalars are taken."""
+    import numpy as np
+
+    inputs = two_fragments()
+    want = compute_mis_weights(SEQUENCE_TIS, rollout_ids=[7, 7], rollout_mask_sums=[2.0, 2.0], **inputs)
+    for ids, sums in ((np.array([7, 7]), np.array([2.0, 2.0])), ([np.int64(7), np.int64(7)], [np.float32(2.0)] * 2),
+                      (torch.tensor([7, 7]), [torch.tensor(2.0), torch.tensor(2.0)])):
+        got = compute_mis_weights(SEQUENCE_TIS, rollout_ids=ids, rollout_mask_sums=sums, **inputs)
+        assert torch.equal(torch.cat(got[0]), torch.cat(want[0])), (type(ids), type(sums))
+        assert torch.equal(torch.cat(got[2]["mis_rollout_incomplete_fraction"]), torch.zeros(2))
+
+
 def test_without_ids_the_mask_sums_alone_flag_fragments():
     """miles' and slime's loss batches hold rollout_mask_sums but not the ids: a sample holding fewer trained tokens
     than its rollout is a fragment, counted; nothing is grouped (the weights are the per-sample ones)."""
@@ -226,6 +239,13 @@ def rollouts_cp_worker(rank, size):
     with pytest.raises(ValueError, match=r"sequence 1: context-parallel ranks disagree .*rollout_group"):
         compute_mis_weights_with_cp(SimpleNamespace(use_tis=True, qkv_format="thd", tis_level="sequence"),
                                     pg_loss=local_pg, parallel_state=cp_state(rank, size), rollout_ids=ids, **kwargs)
+    # one rank passes the counts, the others nothing: every rank stops, naming the difference (not a collective
+    # of mismatched sizes)
+    sums = [float(m.sum()) for m in full["loss_masks"]]
+    with pytest.raises(ValueError, match=r"rollout_inputs: cp rank 0 has 'none', cp rank 1 has 'mask_sums'"):
+        compute_mis_weights_with_cp(SimpleNamespace(use_tis=True, qkv_format="thd"), pg_loss=local_pg,
+                                    parallel_state=cp_state(rank, size),
+                                    **dict(kwargs, **({"rollout_mask_sums": sums} if rank else {})))
     # one rank's ids are bad: every rank raises the same one-line error
     ids = [1, 1, 2] if rank == size - 1 else [1, 1, 2, 3]
     with pytest.raises(ValueError, match=r"rollout_ids has 3 entries but the batch has 4 sequences"):

@@ -84,11 +84,16 @@ def sample_denominators(batch: Mapping[str, Any], loss_masks: Sequence[Tensor]) 
     own = mask_sums(loss_masks)
     given = batch.get("rollout_mask_sums")
     if given is not None:
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in given]) if len(given) \
+        values = torch.stack([torch.as_tensor(v).detach().reshape(()).double().cpu() for v in given]) if len(given) \
             else torch.zeros(0, dtype=torch.float64)
         if values.numel() != own.numel():
             raise ValueError(f"batch['rollout_mask_sums'] has {values.numel()} entries but the batch has {own.numel()} "
                              "sequences")
+        bad = (~torch.isfinite(values) | (values < 0)).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"sequence {i}: batch['rollout_mask_sums'][{i}]={float(values[i])!r} is invalid: a "
+                             "trained-token count is finite and >= 0")
         return values.to(own.dtype)
     ids = batch.get("rollout_ids")
     if ids is None:

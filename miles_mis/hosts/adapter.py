@@ -12,10 +12,11 @@ config needs it or the batch carries it. With nothing extra to read, the result 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -37,9 +38,6 @@ class Host:
     repository: str  # "radixark/miles"
     verified_commit: str
     loss_module: str  # the module of the host's policy_loss_function
-    # (host loss module, args, batch, logits) -> the current policy's log-probs per sample (CP-local), by the host's
-    # own helper, with the same arguments its policy loss uses
-    current_log_probs: Callable[[Any, Any, Mapping[str, Any], torch.Tensor], list]
     sampling_mask_key: str  # the batch key of the sampling masks' CSR offsets (per sample, whole response)
 
     @property
@@ -69,9 +67,45 @@ def policy_loss(host: Host, args: Any, batch: Mapping[str, Any], logits: torch.T
     if not (host_setting(args, "use_tis") or host_setting(args, "get_mismatch_metrics")):
         return module.policy_loss_function(args, batch, logits, sum_of_sample_mean)
     config = MisConfig.from_args(args)
-    inputs = batch_inputs_for(host, module, config, args, batch, logits)
-    with batch_inputs.provided(inputs):
+    inputs = batch_inputs_for(host, config, args, batch)
+    with contextlib.ExitStack() as scope:
+        if config.tis_policy == "current":
+            inputs["cur_log_probs"] = scope.enter_context(_host_log_probs(host, module))
+        scope.enter_context(batch_inputs.provided(inputs))
         return module.policy_loss_function(_with_entry_point(host, args), batch, logits, sum_of_sample_mean)
+
+
+@contextlib.contextmanager
+def _host_log_probs(host: Host, module: Any) -> Iterator[batch_inputs.Deferred]:
+    """The current policy's log-probs as the host's own loss computes them, detached, for ``tis_policy: current``:
+    within the block the loss module's ``get_log_probs_and_entropy`` is wrapped to keep a detached copy of what it
+    returns (miles returns a dict, slime a pair), so no second log-softmax over the logits is computed. Restored on
+    exit (the host's loss runs on one thread per process)."""
+    original = getattr(module, "get_log_probs_and_entropy", None)
+    if not callable(original):
+        raise ImportError(f"miles_mis.hosts: {host.loss_module} has no get_log_probs_and_entropy, which tis_policy: "
+                          f"current needs for the current policy's log-probs: this {host.name} version differs from "
+                          f"the one the adapter was verified against ({host.where})")
+    kept: list = []
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        values = out[1] if isinstance(out, tuple) else out
+        kept[:] = [[t.detach() for t in values["log_probs"]]]
+        return out
+
+    def read() -> list:
+        if not kept:
+            raise ValueError(f"tis_policy: current: {host.name}'s policy loss called the correction before computing "
+                             f"its log-probs: this {host.name} version differs from the one the adapter was verified "
+                             f"against ({host.where})")
+        return kept[0]
+
+    module.get_log_probs_and_entropy = keeping
+    try:
+        yield batch_inputs.Deferred(read)
+    finally:
+        module.get_log_probs_and_entropy = original
 
 
 def _with_entry_point(host: Host, args: Any) -> Any:
@@ -88,20 +122,13 @@ def _with_entry_point(host: Host, args: Any) -> Any:
     return args
 
 
-def batch_inputs_for(host: Host, module: Any, config: MisConfig, args: Any, batch: Mapping[str, Any],
-                     logits: torch.Tensor) -> dict[str, Any]:
+def batch_inputs_for(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     """What the correction reads beyond the hook's arguments, from the batch: each input only when the config reads
-    it (advantages, the current policy) or the batch carries it (rollout ids, lags, sampling masks)."""
+    it (advantages, lags) or the batch carries it (rollout ids and counts, sampling masks). The current policy's
+    log-probs come from the host's own computation (``policy_loss``)."""
     inputs: dict[str, Any] = {}
     if advantages.needed(config):
         inputs["advantages"] = _required(batch, "advantages", host, _directional_options(config))
-    if config.tis_policy == "current":
-        if not callable(getattr(module, "get_log_probs_and_entropy", None)):
-            raise ImportError(f"miles_mis.hosts: {host.loss_module} has no get_log_probs_and_entropy, which tis_policy: "
-                              f"current needs for the current policy's log-probs: this {host.name} version differs from "
-                              f"the one the adapter was verified against ({host.where})")
-        with torch.no_grad():  # the values only: the correction's weights are detached
-            inputs["cur_log_probs"] = [t.detach() for t in host.current_log_probs(module, args, batch, logits)]
     for key in (rollouts.KWARG, rollouts.MASK_SUMS_KWARG):  # ids group; the counts alone flag fragments
         if batch.get(key) is not None:
             inputs[key] = batch[key]
@@ -114,32 +141,23 @@ def batch_inputs_for(host: Host, module: Any, config: MisConfig, args: Any, batc
 
 
 def batch_lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Each sample's lag from the batch's ``weight_versions`` (one list of versions per sample, as miles records
-    them), relative to ``args.current_weight_version`` when set (the trainer's version, an int a hook may set), else
-    to the newest version among the batch's samples (then every lag is a lower bound: docs/hosts.md#lags)."""
-    versions = batch.get("weight_versions")
+    """Each sample's lag: the trainer's version ``args.current_weight_version`` (an int a hook sets on the host's
+    Namespace) minus the oldest of the sample's ``weight_versions`` (one per generation call, as miles records them).
+    Read when the config acts on lags (then both are required, each missing one named) or when both are there (the
+    lag metrics); never relative to another sample's version (docs/hosts.md#lags)."""
     needed = [key for key in LAG_KEYS if getattr(config, key) is not None] if config.use_tis else []
-    if versions is None:
-        if needed:
-            raise ValueError(f"{' and '.join(needed)} needs each sample's lag, but this {host.name} batch holds no "
-                             f"weight_versions ({host.name} at {host.where} does not put them in the training batch; "
-                             "docs/hosts.md#lags)")
+    versions, current = batch.get("weight_versions"), host_setting(args, "current_weight_version")
+    keys = " and ".join(needed)
+    if needed and versions is None:
+        raise ValueError(f"{keys} needs each sample's lag, but this {host.name} batch holds no weight_versions "
+                         f"({host.name} at {host.where} does not put them in the training batch; docs/hosts.md#lags)")
+    if needed and current is None:
+        raise ValueError(f"{keys} needs each sample's lag, the trainer's weight version minus the sample's, but "
+                         "args.current_weight_version is not set: set it to the trainer's version before each step "
+                         "(docs/hosts.md#lags)")
+    if versions is None or current is None:
         return {}
-    current = host_setting(args, "current_weight_version")
-    if current is None:
-        current = _newest_version(versions)
     return {"weight_versions": versions, "current_weight_version": current}
-
-
-def _newest_version(versions: Any) -> int | None:
-    """The newest numeric version among the samples' (None when there is none: the correction names the problem)."""
-    newest = None
-    for entry in versions if isinstance(versions, (list, tuple)) else ():
-        for value in entry if isinstance(entry, (list, tuple)) else [entry]:
-            text = str(value).strip()
-            if text.isdigit():
-                newest = int(text) if newest is None else max(newest, int(text))
-    return newest
 
 
 def _required(batch: Mapping[str, Any], key: str, host: Host, why: str) -> Any:

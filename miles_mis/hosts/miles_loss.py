@@ -14,17 +14,8 @@ from .adapter import policy_loss as _host_policy_loss
 VERIFIED_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"  # main of 2026-08-21
 
 
-def current_log_probs(module: Any, args: Any, batch: Mapping[str, Any], logits: torch.Tensor) -> list:
-    """π_θ's log-probs per sample (CP-local) by miles' own ``get_log_probs_and_entropy``, with the arguments its
-    ``policy_loss_function`` passes (losses.py, L115-124 at the verified commit)."""
-    return module.get_log_probs_and_entropy(
-        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=False,
-        max_seq_lens=batch.get("max_seq_lens"))["log_probs"]
-
-
 MILES = Host(name="miles", repository="radixark/miles", verified_commit=VERIFIED_COMMIT,
-             loss_module="miles.backends.training_utils.loss_hub.losses", current_log_probs=current_log_probs,
+             loss_module="miles.backends.training_utils.loss_hub.losses",
              sampling_mask_key="rollout_sampling_mask_offsets")
 
 
