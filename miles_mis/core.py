@@ -360,10 +360,11 @@ def group_rollouts(batch: PackedBatch, stats: Tensor, config: MisConfig) -> tupl
 
 
 def rollout_seq_metrics(groups, device) -> dict[str, Tensor]:
-    """Per rollout: ``rollout_split_fraction`` (1 for a rollout of several samples in the call; with ids) and, when the host
-    passes ``rollout_mask_sums``, ``rollout_incomplete_fraction`` (1 for a rollout with trained tokens outside the
-    call: its sequence-level stages saw a part of it). Per-sequence values, broadcast to the tokens (the hosts' reducer
-    makes them shares of samples, or with ``rollout_mask_sums`` denominators token-weighted shares of rollouts)."""
+    """Per rollout: ``rollout_split_fraction`` (with ids: 1 for a rollout of several samples in the call) and, when
+    the host passes ``rollout_mask_sums``, ``rollout_incomplete_fraction`` (1 for a rollout with trained tokens
+    outside the call: its sequence-level stages saw a part of it). Per-sequence values, broadcast to the tokens (the
+    hosts' reducer makes them shares of samples, or with ``rollout_mask_sums`` denominators token-weighted shares of
+    rollouts)."""
     out = {"rollout_split_fraction": (groups.size > 1).float().to(device)} if groups.ids_given else {}
     if groups.incomplete is not None:
         out["rollout_incomplete_fraction"] = groups.incomplete.float().to(device)

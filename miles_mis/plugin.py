@@ -166,7 +166,8 @@ def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict)
         return packed if batch is packed.batch else dataclasses.replace(packed, batch=batch)
     table, names = packed.length_table, packed.length_names
     if table is not None:  # the ranks must agree on each sample's lag and rollout too
-        for name, column in (("version_lag", batch.lags), ("rollout_group", getattr(batch.rollouts, "of_sample", None))):
+        groups = None if batch.rollouts is None else batch.rollouts.of_sample
+        for name, column in (("version_lag", batch.lags), ("rollout_group", groups)):
             if column is not None:
                 table = torch.cat([table, column.to(table.device, table.dtype)[:, None]], dim=1)
                 names = (*names, name)
@@ -265,8 +266,9 @@ def skips_old_policy_forward(args: Any) -> bool:
 def with_policy_metric(correction: core.Correction, args: Any, config: MisConfig,
                        num_tokens: int) -> core.Correction:
     """``correction`` with ``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ,
-    not π_old: the skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against π_rollout,
-    staleness and (after the first minibatch) the update included (docs/hosts.md#skip-the-old-policy-forward)."""
+    not π_old: the skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against
+    π_rollout, staleness and (after the first minibatch) the update included
+    (docs/hosts.md#skip-the-old-policy-forward)."""
     if not (skips_old_policy_forward(args) or config.tis_policy == "current"):
         return correction
     ones = torch.ones((), dtype=torch.float32, device=correction.token_keep.device).expand(num_tokens)

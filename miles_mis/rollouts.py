@@ -194,9 +194,10 @@ def _check_siblings_agree(sums: Tensor, of_sample: Tensor, count: int) -> None:
     differs = (sums != expected).nonzero()
     if differs.numel():
         i = int(differs[0])
-        raise InputError(f"sequence {i}: {MASK_SUMS_KWARG}[{i}]={float(sums[i])!r} differs from the first sample of its "
-                         f"rollout (sequence {int(first[of_sample[i]])}: {float(expected[i])!r}): every sample of a "
-                         f"rollout carries the whole rollout's count ({_SEE})", i)
+        first_sample = int(first[of_sample[i]])
+        raise InputError(f"sequence {i}: {MASK_SUMS_KWARG}[{i}]={float(sums[i])!r} differs from the first sample of "
+                         f"its rollout (sequence {first_sample}: {float(expected[i])!r}): every sample of a rollout "
+                         f"carries the whole rollout's count ({_SEE})", i)
 
 
 def _check_not_more_than_expected(here: Tensor, expected: Tensor, of_sample: Tensor) -> None:

@@ -98,8 +98,9 @@ class Double:
         return out
 
     def reducer(self, args, total_lengths, response_lengths, loss_masks, denominators, per_token, max_seq_lens=None):
-        """Σ_i Σ_t x·m_i / max(d_i, 1) over this rank's tokens (per-token loss: Σ x·m); d_i = ``rollout_mask_sums``,
-        else each full mask's sum. The masks are full length; the reducer takes the rank's positions itself."""
+        """Σ_i Σ_t x·m_i / max(d_i, 1) over this rank's tokens (per-token loss: Σ x·m), d_i =
+        ``rollout_mask_sums``, else each full mask's sum. The masks are full length; the reducer takes the rank's
+        positions itself."""
         if denominators is None:
             denominators = [m.sum() for m in loss_masks]
         masks = self.local_masks(args, total_lengths, response_lengths, loss_masks, max_seq_lens)
@@ -149,7 +150,8 @@ class Double:
         if host == "miles":  # miles cleans ppo_kl and the advantages on the local mask
             active = torch.cat(self.local_masks(args, total_lengths, response_lengths, batch["loss_masks"],
                                                 max_seq_lens)).bool()
-            ppo_kl = torch.where(active, torch.nan_to_num(ppo_kl, nan=0.0, posinf=0.0, neginf=0.0), ppo_kl.new_zeros(()))
+            ppo_kl = torch.where(active, torch.nan_to_num(ppo_kl, nan=0.0, posinf=0.0, neginf=0.0),
+                                 ppo_kl.new_zeros(()))
             advantages = torch.where(active, torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0),
                                      advantages.new_zeros(()))
         pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,

@@ -55,7 +55,8 @@ def assert_same(a, b, where, adapter_only=()):
     loss_b, log_b, grad_b = b
     assert torch.equal(loss_a, loss_b), f"{where}: loss {loss_a} vs {loss_b}"
     assert torch.equal(grad_a, grad_b), f"{where}: gradient differs by {(grad_a - grad_b).abs().max()}"
-    assert [k for k in log_b if k not in adapter_only] == list(log_a), f"{where}: log keys {list(log_a)} vs {list(log_b)}"
+    assert [k for k in log_b if k not in adapter_only] == list(log_a), \
+        f"{where}: log keys {list(log_a)} vs {list(log_b)}"
     assert [k for k in adapter_only if k in log_b] == list(adapter_only), f"{where}: {adapter_only} not logged"
     for name in log_a:
         assert torch.equal(torch.as_tensor(log_a[name]), torch.as_tensor(log_b[name])), f"{where}: {name}"
@@ -113,7 +114,8 @@ def test_an_unset_tis_path_runs_miles_mis_and_a_foreign_one_is_refused(host):
         batch, _, logits, _ = make_batch(0)
         args = host_args(**MIS_YAML, use_tis=True, loss_type="custom_loss", custom_loss_function_path=ADAPTERS[host],
                          custom_tis_function_path="my_pkg.my_tis")
-        with pytest.raises(ValueError, match=r"^--custom-tis-function-path my_pkg.my_tis: miles_mis.hosts.\w+_loss runs "
+        with pytest.raises(ValueError, match=r"^--custom-tis-function-path my_pkg.my_tis: "
+                                             r"miles_mis.hosts.\w+_loss runs "
                                              r"miles_mis's correction"):
             double.loss_function(args, batch, logits)
 
@@ -237,11 +239,13 @@ def test_lags_need_the_trainers_version_and_are_read_only_with_both():
     # monitoring: read only when both are there (no lag relative to another sample's version)
     assert batch_lags(miles_loss.MILES, watching, host_args(), batch) == {}
     assert batch_lags(miles_loss.MILES, watching, host_args(current_weight_version=9), {}) == {}
-    assert batch_lags(miles_loss.MILES, watching, host_args(current_weight_version=9), batch)["current_weight_version"] == 9
+    read = batch_lags(miles_loss.MILES, watching, host_args(current_weight_version=9), batch)
+    assert read["current_weight_version"] == 9
 
 
 # --------------------------------------------------------------------------- outside the host
-@pytest.mark.parametrize("module, commit", [(miles_loss, "radixark/miles@31f1ca961"), (slime_loss, "THUDM/slime@624b824a8")])
+@pytest.mark.parametrize("module, commit", [(miles_loss, "radixark/miles@31f1ca961"),
+                                            (slime_loss, "THUDM/slime@624b824a8")])
 def test_outside_the_host_one_line_names_what_is_missing_and_the_verified_commit(module, commit):
     batch, _, logits, _ = make_batch(0)
     with pytest.raises(ImportError) as caught:

@@ -43,7 +43,8 @@ def test_hand_case_sequence_and_geometric_weights_are_the_rollouts():
 
 def test_hand_case_sequence_rejection_takes_the_whole_rollout():
     """Geometric RS [0.9, 1.1]: alone, sample 0 (e^0.1 = 1.105) is out and sample 1 (e^−0.25) too; with a third
-    sample at ℓ = +0.15 in the same rollout, the mean ℓ is 0: all three kept. Sample 3, its own rollout, stays out."""
+    sample at ℓ = +0.15 in the same rollout, the mean ℓ is 0: all three kept. Sample 3, its own rollout, stays
+    out."""
     train = [torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0])]
     rollout = [torch.tensor([-1.1]), torch.tensor([-1.75]), torch.tensor([-1.15]), torch.tensor([-1.5])]
     masks = [torch.ones(1) for _ in train]
@@ -113,7 +114,8 @@ def concatenated(train, rollout, masks, group):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), num_rollouts=st.integers(1, 5), config_index=st.integers(0, len(SEQUENCE_LEVEL_CONFIGS) - 1))
+@given(seed=st.integers(0, 10_000), num_rollouts=st.integers(1, 5),
+       config_index=st.integers(0, len(SEQUENCE_LEVEL_CONFIGS) - 1))
 def test_property_a_split_rollout_equals_the_rollout_as_one_sequence(seed, num_rollouts, config_index):
     config = SEQUENCE_LEVEL_CONFIGS[config_index]
     full, _ = make_full_batch(seed=seed, num_seqs=8, max_response=12)

@@ -6,8 +6,9 @@
     --loss-type custom_loss --custom-loss-function-path miles_mis.hosts.slime_loss.policy_loss
 """
 
-from .adapter import ENTRY_POINT, Host, batch_inputs_for, host_loss_module, policy_loss
+from .adapter import ENTRY_POINT, Host, batch_inputs_for, entry_point, host_loss_module, policy_loss
 from .miles_loss import MILES
 from .slime_loss import SLIME
 
-__all__ = ["ENTRY_POINT", "Host", "MILES", "SLIME", "batch_inputs_for", "host_loss_module", "policy_loss"]
+__all__ = ["ENTRY_POINT", "Host", "MILES", "SLIME", "batch_inputs_for", "entry_point", "host_loss_module",
+           "policy_loss"]

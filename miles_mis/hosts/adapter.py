@@ -108,6 +108,17 @@ def _host_log_probs(host: Host, module: Any) -> Iterator[batch_inputs.Deferred]:
         module.get_log_probs_and_entropy = original
 
 
+def entry_point(host: Host) -> Callable[[Any, Mapping[str, Any], torch.Tensor, Callable], tuple[torch.Tensor, dict]]:
+    """The function a host loads with ``--custom-loss-function-path``: ``policy_loss`` for ``host``."""
+    def host_policy_loss(args: Any, batch: Mapping[str, Any], logits: torch.Tensor, sum_of_sample_mean: Callable):
+        return policy_loss(host, args, batch, logits, sum_of_sample_mean)
+
+    host_policy_loss.__name__ = host_policy_loss.__qualname__ = "policy_loss"
+    host_policy_loss.__doc__ = (f"{host.name}'s ``custom_loss`` entry: {host.name}'s own policy loss, corrected by "
+                                "miles_mis with what the batch holds (docs/hosts.md).")
+    return host_policy_loss
+
+
 def _with_entry_point(host: Host, args: Any) -> Any:
     """``args`` with ``custom_tis_function_path`` naming miles_mis's entry point (a copy when it is unset); another
     function there is an error: this adapter exists to run miles_mis's correction."""
@@ -116,7 +127,8 @@ def _with_entry_point(host: Host, args: Any) -> Any:
         return args
     if path:
         raise ValueError(f"--custom-tis-function-path {path}: miles_mis.hosts.{host.name}_loss runs miles_mis's "
-                         f"correction inside {host.name}'s policy loss; leave the flag unset or set it to {ENTRY_POINT}")
+                         f"correction inside {host.name}'s policy loss; leave the flag unset or set it to "
+                         f"{ENTRY_POINT}")
     args = copy.copy(args)
     args.custom_tis_function_path = ENTRY_POINT
     return args
