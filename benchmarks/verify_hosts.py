@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--source", required=True, help="a checkout of the host's repository (its root)")
     parser.add_argument("--cp", type=int, default=1, help="context parallel size (processes on gloo)")
     parser.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd", help="bshd: miles only")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="batches (seeds) per mode")
     parser.add_argument("--inputs", action="store_true", help="the configs that read inputs beyond the hook's")
     options = vars(parser.parse_args())
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the hosts torch.compile one PPO function: eager is the same
