@@ -604,6 +604,47 @@ def _finalize_stages(state: "FinalizeState", batch_values: Tensor) -> Correction
     return broadcast_to_tokens(state)
 
 
+# --------------------------------------------------------------------------- the pipeline
+def _same(values: Tensor) -> Tensor:
+    return values
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """What the pipeline combines with other processes, as functions of this process's values. ``LOCAL`` (every
+    field at its default) is one process holding whole sequences: nothing to combine. The context- and
+    data-parallel implementation is ``miles_mis.peers``' (its collectives in ``miles_mis.distributed``)."""
+
+    batch_values: Callable[[Tensor], Tensor] = _same  # the batch-sum vector over the CP group
+    seq_table: Callable[[Tensor], Tensor] = _same  # the per-sequence table over the CP group
+    token_histogram: Callable[[Tensor], Tensor] | None = None  # adaptive token-level bound, over the DP group
+    seq_histogram: Callable[[Tensor], Tensor] | None = None  # adaptive sequence-level bound, over the DP group
+    normalizer: Callable[[Tensor], Tensor] | None = None  # batch normalisation's mean parts, over the DP group
+    gate: Callable[[Tensor], Tensor] | None = None  # the batch gate's parts, over the DP group
+
+
+LOCAL = Reductions()
+
+
+def correct(batch: PackedBatch, config: MisConfig, reductions: Reductions = LOCAL, terms: TokenTerms | None = None,
+            batch_values: Tensor | None = None) -> Correction:
+    """The correction of one call, every stage in order (the one place that knows it):
+
+    token_terms -> local_batch_values (combined) -> bound_token_terms -> local_seq_stats (combined) -> finalize
+
+    ``terms``: this process's token terms when already computed (a caller that needs them before its first
+    exchange); ``batch_values``: the batch-sum vector when already combined (the CP agreement carries it)."""
+    terms = token_terms(batch, config) if terms is None else terms
+    if batch_values is None:
+        batch_values = reductions.batch_values(local_batch_values(batch, terms, config))
+    terms, bound = bound_token_terms(terms, batch_values.to(terms.token_ratio.device), config,
+                                     reduce_histogram=reductions.token_histogram)
+    stats = reductions.seq_table(local_seq_stats(batch, terms, config))
+    return finalize(batch, terms, stats, config, reduce_normalizer=reductions.normalizer,
+                    batch_values=batch_values.to(stats.device), reduce_gate=reductions.gate, bound=bound,
+                    reduce_histogram=reductions.seq_histogram)
+
+
 def measure_batch(state: FinalizeState, batch_values: Tensor) -> None:
     """Where the mismatch lives (``location.metrics``) and the batch gate's statistics, every call:
 

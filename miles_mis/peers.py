@@ -75,20 +75,23 @@ def correct_with_peers(local: PreparedCall, cp: distributed.Group, dp: distribut
     config, packed, text = local.config, local.packed, local.text
     scopes = dp_scopes(config)
     dp_sum = (lambda values: distributed.dp_sum(values, dp, text)) if dp.size > 1 else None  # noqa: E731
-    terms, bound = core.bound_token_terms(local.terms, batch_values.to(local.terms.token_ratio.device), config,
-                                          reduce_histogram=dp_sum if scopes.token_bound else None)
-    stats = core.local_seq_stats(packed.batch, terms, config)
-    rejected = None
-    if cp.size > 1:
+    exchanged: list[Rejected] = []  # the table exchange's second result: the tokens any CP rank rejected
+
+    def seq_table(stats: Tensor) -> Tensor:
         stats, rejected = _exchange_seq_table(local, stats, cp, dp, headers, scopes)
-    reduce_gate = ((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
-                   if dp.size > 1 and scopes.gate else None)
-    correction = core.finalize(packed.batch, terms, stats, config,
-                               reduce_normalizer=dp_sum if scopes.normalize else None,
-                               batch_values=batch_values.to(stats.device), reduce_gate=reduce_gate, bound=bound,
-                               reduce_histogram=dp_sum if scopes.seq_bound else None)
+        exchanged.append(rejected)
+        return stats
+
+    reductions = core.Reductions(
+        seq_table=seq_table if cp.size > 1 else core.LOCAL.seq_table,
+        token_histogram=dp_sum if scopes.token_bound else None,
+        seq_histogram=dp_sum if scopes.seq_bound else None,
+        normalizer=dp_sum if scopes.normalize else None,
+        gate=((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
+              if dp.size > 1 and scopes.gate else None))
+    correction = core.correct(packed.batch, config, reductions, terms=local.terms, batch_values=batch_values)
     log_warning(correction, cp)
-    return correction, rejected
+    return correction, exchanged[0] if exchanged else None
 
 
 @dataclass(frozen=True)

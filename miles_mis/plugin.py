@@ -220,11 +220,7 @@ def _refuse_dp_scopes(config: MisConfig, entry: str) -> None:
 
 def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig, args: Any = None) -> core.Correction:
     """The core on whole sequences (context parallel size 1): the local table is the whole table."""
-    terms = core.token_terms(batch, config)
-    batch_values = core.local_batch_values(batch, terms, config)
-    terms, bound = core.bound_token_terms(terms, batch_values, config)
-    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config,
-                               batch_values=batch_values, bound=bound)
+    correction = core.correct(batch, config)
     peers.log_warning(correction)
     return with_policy_metric(correction, args, config, batch.seq_index.numel())
 

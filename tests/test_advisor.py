@@ -108,8 +108,11 @@ def test_metrics_only_is_the_uncorrected_baseline_and_no_advantages_give_none():
     MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_tv": [-0.2, 0.2]}),
     MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_bkl": 0.01}),
     MisConfig(use_tis=True, tis_upper_bound=2.0, rs_divergence={"token_dtv": [-0.2, 0.2]}),
+    # the adaptive bound: the evaluator runs the bound step too (core.correct), at token and sequence level
+    MisConfig(use_tis=True, tis_upper_bound="auto"),
+    MisConfig(use_tis=True, tis_level="sequence", tis_upper_bound="auto"),
 ], ids=["token-truncate", "token-icepop", "mis", "geo_rs", "seq_tis", "metrics_only", "binary-tv", "binary-kl",
-        "dppo"])
+        "dppo", "token-auto", "sequence-auto"])
 def test_numbers_are_those_of_compute_mis_weights(config):
     """The evaluator runs the plugin's steps itself; the numbers must be the public API's (the directional
     candidate with the dump's advantages)."""

@@ -255,14 +255,14 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
     """The sums of one call under one config, and the largest final weight over its kept tokens (None: none).
 
-    As ``compute_mis_weights``: token_terms -> local_seq_stats -> finalize on the packed call. Elementwise in
-    float32, sums accumulated in float64.
+    As ``compute_mis_weights``: the core's pipeline (``core.correct``) on the packed call, every stage the plugin runs
+    (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
     """
     batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
-    terms = core.token_terms(batch, config)
-    correction = core.finalize(batch, terms, core.local_seq_stats(batch, terms, config), config)
+    correction = core.correct(batch, config)
     keep = correction.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
-    weight = terms.valid if correction.weights is None else correction.weights  # 0 where rejected
+    # 0 where rejected; metrics-only: the valid tokens' 0/1, which token_keep is then
+    weight = correction.token_keep if correction.weights is None else correction.weights
     n_kept = float(keep.sum(dtype=torch.float64))
     sums = dict(prepared.sums, kept=n_kept, bounded=0.0,
                 kept_sequences=float((batch.per_seq_sum(keep.float()) > 0).sum()),
