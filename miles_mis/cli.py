@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .config import MisConfig
+from .config import MisConfig, yaml_value
 
 
 def _default_configs_dir() -> Path:
@@ -65,7 +65,7 @@ def check_config(path: str, use_tis: bool | None) -> int:
         if key == "tis_bounds":  # an input alias, already resolved into the two bounds
             continue
         origin = "" if key in keys else "   # default" + (" (host flag --use-tis)" if key == "use_tis" else "")
-        print(f"{key}: {_yaml_value(value)}{origin}")
+        print(f"{key}: {yaml_value(value)}{origin}")
     if cfg.tis_policy == "current":
         print("# tis_policy is current: the host must pass the current policy's log-probs (cur_log_probs or "
               "current_log_probs; the reference host: --pass-current-log-probs)")
@@ -80,18 +80,6 @@ def _yaml_keys(path: str) -> set[str]:
     from .config import load_yaml_mapping
 
     return set(load_yaml_mapping(path))
-
-
-def _yaml_value(value) -> str:
-    if isinstance(value, dict):
-        import yaml
-
-        return yaml.safe_dump(value, default_flow_style=True).strip()
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
 
 
 def plugin_demo(configs_dir: Path) -> int:

@@ -101,7 +101,7 @@ class KeySpec:
     def table_row(self) -> str:
         """This key's row of the docs' key table: key | type / allowed | default | meaning."""
         return f"| `{self.name}` | {self.allowed or self._derived_allowed()} | " \
-               f"{self.shown_default or _yaml_text(self.default)} | {self.doc} |"
+               f"{self.shown_default or yaml_value(self.default)} | {self.doc} |"
 
     def _derived_allowed(self) -> str:
         null = "null or " if self.default is None else ""
@@ -118,13 +118,31 @@ class KeySpec:
         return f"{null}mapping of {', '.join(self.choices)} → threshold"
 
 
-def _yaml_text(value: Any) -> str:
-    """A default as a YAML file writes it."""
+def yaml_value(value: Any) -> str:
+    """A config value as YAML 1.1 text that reads back as ``value``: the one writer of every config file, printout
+    and docs default. Floats keep a '.' and a signed exponent (1.0e-06, not 1e-06, which YAML 1.1 reads as a
+    string); lists and tuples are flow lists [L, U], mappings flow mappings {option: threshold}."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, tuple):
-        return f"[{', '.join(map(_yaml_text, value))}]"
-    return "null" if value is None else str(value)
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{key}: {yaml_value(v)}" for key, v in value.items()) + "}"
+    if isinstance(value, float):
+        return _yaml_float(value)
+    return str(value)
+
+
+def _yaml_float(value: float) -> str:
+    text = repr(float(value))  # shortest round-trip spelling: '2.0', '0.0001', '1e-06', '4.85e+08'
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        if "." not in mantissa:
+            mantissa += ".0"
+        text = f"{mantissa}e{'' if exponent[0] in '+-' else '+'}{exponent}"
+    return text
 
 
 # ---------------------------------------------------------------------- parsers of the kinds and of special keys

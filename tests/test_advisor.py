@@ -389,12 +389,17 @@ def test_write_config_refuses_no_recommendation(tmp_path):
     assert not (tmp_path / "x.yaml").exists()
 
 
-def test_yaml_floats_round_trip():
+def test_yaml_values_round_trip():
+    """The one config writer (config.yaml_value): every value reads back as itself under YAML 1.1."""
     import yaml
 
-    for value in (1e-4, 1e-6, 2.0, 0.5, math.exp(0.5), math.exp(20), math.exp(-20), 1e20, 123456789.0):
-        text = advisor._yaml_float(value)
-        assert yaml.safe_load(f"x: {text}")["x"] == value, text
+    from miles_mis.config import yaml_value
+
+    for value in (1e-4, 1e-6, 2.0, 0.5, math.exp(0.5), math.exp(20), math.exp(-20), 1e20, 123456789.0, 3, True, None,
+                  [0.999, 1.001], (1e-6, 2.0), {"token_tv": [-0.2, 0.2], "seq_max_k3": 1e-06}, "truncate"):
+        text = yaml_value(value)
+        want = list(value) if isinstance(value, tuple) else value
+        assert yaml.safe_load(f"x: {text}")["x"] == want, text
 
 
 # ------------------------------------------------------------------------------------------- no NaN

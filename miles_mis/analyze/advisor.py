@@ -71,7 +71,7 @@ from torch import Tensor
 
 from .. import core
 from ..advantages import needed as reads_advantages
-from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files
+from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..plugin import pack_sequences
 
 if TYPE_CHECKING:
@@ -483,9 +483,9 @@ def write_config(path: str | Path, recommendation: Recommendation, statistics: d
     if config is None:
         raise ValueError("no recommended config to write: " + " ".join(recommendation.reasons))
     path = Path(path)
-    lines = _header(path, recommendation, statistics) + [f"{key}: {_yaml_value(value)}" if not isinstance(value, dict)
+    lines = _header(path, recommendation, statistics) + [f"{key}: {yaml_value(value)}" if not isinstance(value, dict)
                                                          else f"{key}:\n" + "\n".join(
-                                                             f"  {option}: {_yaml_value(threshold)}"
+                                                             f"  {option}: {yaml_value(threshold)}"
                                                              for option, threshold in value.items())
                                                          for key, value in config_keys(config).items()]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -535,25 +535,3 @@ def _header(path: Path, recommendation: Recommendation, statistics: dict | None)
     return lines + [f"#   --use-tis --custom-tis-function-path {CORRECTION_FUNCTION} --custom-config-path {path}", ""]
 
 
-def _yaml_value(value: Any) -> str:
-    """A YAML 1.1 scalar or flow list that reads back as ``value``: floats keep a '.' and a signed exponent
-    (1.0e-04, not 1e-4, which YAML 1.1 reads as a string), ranges are [L, U]."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
-    if isinstance(value, (int, float)):
-        return _yaml_float(float(value))
-    if value is None:
-        return "null"
-    return str(value)
-
-
-def _yaml_float(value: float) -> str:
-    text = repr(float(value))  # shortest round-trip spelling: '2.0', '0.0001', '1e-06', '4.85e+08'
-    if "e" in text:
-        mantissa, exponent = text.split("e")
-        if "." not in mantissa:
-            mantissa += ".0"
-        text = f"{mantissa}e{'' if exponent[0] in '+-' else '+'}{exponent}"
-    return text
