@@ -448,3 +448,23 @@ def test_the_plugin_refuses_none_as_its_args():
     train, rollout, masks = random_batch(1)
     with pytest.raises(ValueError, match=r"^args: None is invalid: allowed values are a host Namespace"):
         call_plugin(None, train, rollout, masks)
+
+
+def test_check_config_prints_values_yaml_reads_back(tmp_path, capsys):
+    """Every line check-config prints is YAML that reads back as the effective value (1.0e-06, not 1e-06: YAML 1.1
+    reads the latter as a string)."""
+    import yaml
+
+    text = "rs_veto_threshold: 1.0e-6\ntis_upper_bound: 2\nrs_divergence: {seq_max_k3: 1.0e-5, token_tv: [-0.2, 0.2]}"
+    status, out, _ = check_config_output(write_yaml(tmp_path, text), capsys)
+    assert status == 0
+    printed = yaml.safe_load("\n".join(line.split("   #")[0] for line in out.splitlines() if not line.startswith("#")))
+    config = MisConfig.from_yaml(write_yaml(tmp_path, text))
+    assert printed["rs_veto_threshold"] == 1e-6 and isinstance(printed["rs_veto_threshold"], float)
+    assert printed["rs_divergence"] == {"seq_max_k3": 1e-5, "token_tv": [-0.2, 0.2]}
+    for key, value in config.to_dict().items():
+        if key not in ("tis_bounds", "use_tis"):  # an input alias; use_tis is the --use-tis flag here
+            want = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
+            if isinstance(value, dict):
+                want = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
+            assert printed[key] == want, key
