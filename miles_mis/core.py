@@ -300,20 +300,15 @@ def local_seq_stats(batch: PackedBatch, terms: TokenTerms, config: MisConfig | N
 
 
 def combine_seq_stats(per_rank: Tensor, config: MisConfig | None = None) -> Tensor:
-    """Reduce a [C, B, K] stack of per-rank tables (C context-parallel ranks) into one [B, K] table."""
-    sums = per_rank[..., :NUM_SUM_COLUMNS].sum(0)
-    maxima = per_rank[..., NUM_SUM_COLUMNS:NUM_SUM_COLUMNS + len(MAX_COLUMNS)].amax(0)
-    minima = per_rank[..., NUM_SUM_COLUMNS + len(MAX_COLUMNS):NUM_COLUMNS].amin(0)
-    parts = [sums, maxima, minima]
-    end = NUM_COLUMNS
-    if config is not None and config.rs_divergence:
-        layout = divergence.Layout.of(config.rs_divergence)
-        middle = end + len(layout.sum_names)
-        end += layout.width
-        parts += [per_rank[..., NUM_COLUMNS:middle].sum(0), per_rank[..., middle:end].amax(0)]
-    if per_rank.shape[-1] > end:  # n_bounded (lags at token level): a sum
-        parts.append(per_rank[..., end:].sum(0))
-    return torch.cat(parts, dim=1)
+    """Reduce a [C, B, K] stack of per-rank tables (C context-parallel ranks) into one [B, K] table, each column by
+    its ``column_reductions`` op."""
+    sums, maxima, minima = (columns.to(per_rank.device)
+                            for columns in column_reductions(config, per_rank.shape[-1]))
+    out = per_rank.new_empty(per_rank.shape[1:])
+    out[:, sums] = per_rank[..., sums].sum(0)
+    out[:, maxima] = per_rank[..., maxima].amax(0)
+    out[:, minima] = per_rank[..., minima].amin(0)
+    return out
 
 
 def column_reductions(config: MisConfig | None, width: int) -> tuple[Tensor, Tensor, Tensor]:

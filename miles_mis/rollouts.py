@@ -81,11 +81,8 @@ def groups_of(kwargs: Mapping[str, Any], full_mask_sums: Tensor, device: Any = "
     sums = kwargs.get(MASK_SUMS_KWARG)
     incomplete = None
     if sums is not None:
-        expected = _mask_sums(sums, num_seqs)
-        _check_siblings_agree(expected, of_sample, count)
+        per_group = _rollout_counts(_mask_sums(sums, num_seqs), of_sample, count)
         here = torch.zeros(count, dtype=torch.float64).index_add_(0, of_sample, full_mask_sums.double().cpu())
-        per_group = torch.zeros(count, dtype=torch.float64).scatter_reduce_(0, of_sample, expected, "amax",
-                                                                            include_self=False)
         _check_not_more_than_expected(here, per_group, of_sample)
         # a relative slack: mask sums of float masks (0.5, 2.0) are sums of floats, not counts
         incomplete = here < per_group * (1.0 - 1e-6) - 1e-6
@@ -184,13 +181,15 @@ def _mask_sums(values: Any, num_seqs: int) -> Tensor:
     return sums
 
 
-def _check_siblings_agree(sums: Tensor, of_sample: Tensor, count: int) -> None:
-    """Samples of one rollout carry the same rollout_mask_sums (the count of the whole rollout)."""
+def _rollout_counts(sums: Tensor, of_sample: Tensor, count: int) -> Tensor:
+    """[G] each rollout's trained-token count, after checking that its samples carry the same one (the count of the
+    whole rollout)."""
     if not sums.numel():
-        return
+        return sums
     first = torch.full((count,), sums.numel(), dtype=torch.long).scatter_reduce_(
         0, of_sample, torch.arange(sums.numel()), "amin")  # each rollout's first sample
-    expected = sums[first][of_sample]
+    per_group = sums[first]
+    expected = per_group[of_sample]
     differs = (sums != expected).nonzero()
     if differs.numel():
         i = int(differs[0])
@@ -198,6 +197,7 @@ def _check_siblings_agree(sums: Tensor, of_sample: Tensor, count: int) -> None:
         raise InputError(f"sequence {i}: {MASK_SUMS_KWARG}[{i}]={float(sums[i])!r} differs from the first sample of "
                          f"its rollout (sequence {first_sample}: {float(expected[i])!r}): every sample of a rollout "
                          f"carries the whole rollout's count ({_SEE})", i)
+    return per_group
 
 
 def _check_not_more_than_expected(here: Tensor, expected: Tensor, of_sample: Tensor) -> None:

@@ -30,12 +30,13 @@ from torch import Tensor
 from .config import MisConfig
 
 BUCKETS = ("0", "1", "2", "3plus")  # lag 0, 1, 2, and 3 or more versions behind
+LAG_KEYS = ("tis_upper_bound_by_lag", "rs_max_lag")  # the config keys that act on lags
 _USE_TIS_METRICS = ("bounded_fraction", "rejected_fraction", "ess")
 
 
 def require_lags(config: MisConfig, has_lags: bool) -> None:
     """A config that acts on lags, called without them: one error naming the keys (not a silent no-op)."""
-    keys = [key for key in ("tis_upper_bound_by_lag", "rs_max_lag") if getattr(config, key) is not None]
+    keys = [key for key in LAG_KEYS if getattr(config, key) is not None]
     if keys and not has_lags and config.use_tis:
         raise ValueError(f"{' and '.join(keys)} need{'s' if len(keys) == 1 else ''} each sequence's lag, but the "
                          "host passes none: pass "

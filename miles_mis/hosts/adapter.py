@@ -20,14 +20,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .. import advantages, batch_inputs, divergence, rollouts, sampling_mask
+from .. import advantages, batch_inputs, rollouts, sampling_mask, staleness
 from ..config import MisConfig
 from ..inputs import host_setting
 
 ENTRY_POINT = "miles_mis.compute_mis_weights_with_cp"  # the hook the host's loss calls
 OUR_ENTRY_POINTS = (ENTRY_POINT, "miles_mis.compute_mis_weights_fsdp", "miles_mis.plugin.compute_mis_weights_with_cp",
                     "miles_mis.plugin.compute_mis_weights_fsdp")
-LAG_KEYS = ("tis_upper_bound_by_lag", "rs_max_lag")
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,8 @@ def batch_inputs_for(host: Host, config: MisConfig, args: Any, batch: Mapping[st
     it (advantages, lags) or the batch carries it (rollout ids and counts, sampling masks). The current policy's
     log-probs come from the host's own computation (``policy_loss``)."""
     inputs: dict[str, Any] = {}
-    if advantages.needed(config):
-        inputs["advantages"] = _required(batch, "advantages", host, _directional_options(config))
+    if advantages.needed(config) and batch.get("advantages") is not None:  # without: the entry point names the options
+        inputs["advantages"] = batch["advantages"]
     for key in (rollouts.KWARG, rollouts.MASK_SUMS_KWARG):  # ids group; the counts alone flag fragments
         if batch.get(key) is not None:
             inputs[key] = batch[key]
@@ -157,7 +156,7 @@ def batch_lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any
     Namespace) minus the oldest of the sample's ``weight_versions`` (one per generation call, as miles records them).
     Read when the config acts on lags (then both are required, each missing one named) or when both are there (the
     lag metrics); never relative to another sample's version (docs/hosts.md#lags)."""
-    needed = [key for key in LAG_KEYS if getattr(config, key) is not None] if config.use_tis else []
+    needed = [key for key in staleness.LAG_KEYS if getattr(config, key) is not None] if config.use_tis else []
     versions, current = batch.get("weight_versions"), host_setting(args, "current_weight_version")
     keys = " and ".join(needed)
     if needed and versions is None:
@@ -170,16 +169,3 @@ def batch_lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any
     if versions is None or current is None:
         return {}
     return {"weight_versions": versions, "current_weight_version": current}
-
-
-def _required(batch: Mapping[str, Any], key: str, host: Host, why: str) -> Any:
-    value = batch.get(key)
-    if value is None:
-        raise ValueError(f"{why} reads the batch's {key}, but this {host.name} batch holds none")
-    return value
-
-
-def _directional_options(config: MisConfig) -> str:
-    options = [option for option, _, _ in config.rs_divergence
-               if divergence.split_option(option)[1] in divergence.DIRECTIONAL]
-    return "rs_divergence option " + ", ".join(options)
