@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import ops
+
 NUM_EDGES = 64  # candidate bounds; the histogram has NUM_EDGES + 1 bins
 HISTOGRAM_SIZE = 3 * (NUM_EDGES + 1)  # (weight, Σ n·ρ, Σ n·ρ²) per bin
 
@@ -70,12 +72,8 @@ def choose(hist: Tensor, edges: Tensor, target: float) -> Choice:
     below_second = second.cumsum(0)[:NUM_EDGES]
     above = (total - count.cumsum(0)[:NUM_EDGES]).clamp(min=0.0)  # ... those above it become U_j
     bound = edges.double()
-    numerator = (below_first + bound * above).square()
-    denominator = total * (below_second + bound.square() * above)
-    ess = torch.where(denominator > 0, numerator / denominator.clamp(min=1e-300), torch.ones_like(numerator))  # empty: 1
+    ess = ops.ess(below_first + bound * above, below_second + bound.square() * above, total, 1.0)  # empty: 1
     meets = ess >= target
     index = (meets * torch.arange(NUM_EDGES, device=hist.device)).amax()  # 0 (the floor) when none meets it
-    untruncated = total * second.sum()
-    ess_before = torch.where(untruncated > 0, first.sum().square() / untruncated.clamp(min=1e-300),
-                             torch.ones_like(untruncated))
+    ess_before = ops.ess(first.sum(), second.sum(), total, 1.0)
     return Choice(edges[index], ess_before.float(), ess[index].float())

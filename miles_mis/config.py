@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import backend as _backend
+from . import upper_bound
 from .gate import STATISTICS as GATE_STATISTICS
 
 LEVELS = ("token", "sequence", "geometric")
@@ -498,7 +499,7 @@ class MisConfig:
     @property
     def adaptive_bound(self) -> bool:
         """The TIS upper bound is chosen per call (``tis_upper_bound: auto``)."""
-        return self.tis_upper_bound == AUTO
+        return self.upper_bound.adaptive
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in KEY_NAMES}
@@ -515,6 +516,10 @@ class MisConfig:
         _check_lag_keys(values)
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen
+        # the TIS upper bound's shape, resolved once (not a key: derived from tis_upper_bound and its companions)
+        object.__setattr__(self, "upper_bound", upper_bound.resolve(
+            values["tis_upper_bound"], values["tis_upper_bound_by_lag"], values["tis_auto_bounds"],
+            values["tis_auto_target_ess"], values["tis_auto_scope"]))
 
     # ------------------------------------------------------------------ constructors
     @classmethod

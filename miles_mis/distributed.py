@@ -6,7 +6,7 @@ initialised; otherwise CP size is 1 and no collective is issued.
 
 Fail together: a rank never raises alone before a collective its peers are waiting in. Every exchange
 starts with ``agree``: one all-gather of a fixed-size header per rank (error flag, sequence index and
-message of a local failure, batch size, table width, local token and token-rejection counts, the effective
+message of a local failure, batch size, the per-sequence table's schema (fingerprint), local token and token-rejection counts, the effective
 config as text and its fingerprint, and a few float64 payload slots). Every rank decodes every header and
 takes the same decision: if any rank failed or the ranks disagree, every rank raises (the failing rank its
 own error, the others a ``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence
@@ -30,7 +30,7 @@ from torch import Tensor
 # per-sequence columns appended to the stats, compared across CP ranks (the lag only when the host passes lags)
 LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag", "rollout_group")
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
-# magic, error flag, error sequence, batch size, table width, local tokens, rejected local tokens, fingerprint
+# magic, error flag, error sequence, batch size, table schema fingerprint, local tokens, rejected local tokens, fingerprint
 _INTS = "<8q"
 # the batch-sum vector of miles_mis.location (16) + the adaptive bound's histogram (195), and the DP exchanges'
 # numbers (at most that histogram)
@@ -122,7 +122,7 @@ class Header:
     error: bool
     error_sequence: int
     batch_size: int
-    width: int
+    table_schema: int  # the per-sequence table's schema fingerprint (correction.TableSchema.fingerprint)
     tokens: int  # this rank's local response tokens (-1 when it failed)
     rejected: int  # of them, removed by a token-level stage (0 when the config rejects no single token)
     fingerprint: int
@@ -136,12 +136,12 @@ def config_fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def encode_header(*, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
+def encode_header(*, error: BaseException | None = None, batch_size: int = -1, table_schema: int = -1,
                   tokens: int = -1, rejected: int = 0, config_text: str = "", payload: Sequence[float] = ()) -> bytes:
     message = "" if error is None else describe_error(error)
     sequence = getattr(error, "sequence_index", -1) if error is not None else -1
     values = list(payload) + [0.0] * (PAYLOAD_SLOTS - len(payload))
-    return (struct.pack(_INTS, _MAGIC, int(error is not None), int(sequence), int(batch_size), int(width),
+    return (struct.pack(_INTS, _MAGIC, int(error is not None), int(sequence), int(batch_size), int(table_schema),
                         int(tokens), int(rejected), config_fingerprint(config_text))
             + struct.pack(_FLOATS, *values)
             + _fixed(message, MESSAGE_BYTES) + _fixed(config_text, CONFIG_BYTES))
@@ -149,10 +149,10 @@ def encode_header(*, error: BaseException | None = None, batch_size: int = -1, w
 
 def decode_header(blob: bytes) -> Header:
     ints_size, floats_size = struct.calcsize(_INTS), struct.calcsize(_FLOATS)
-    magic, error, sequence, batch_size, width, tokens, rejected, fingerprint = struct.unpack(_INTS, blob[:ints_size])
+    magic, error, sequence, batch_size, table_schema, tokens, rejected, fingerprint = struct.unpack(_INTS, blob[:ints_size])
     payload = struct.unpack(_FLOATS, blob[ints_size:ints_size + floats_size])
     text = blob[ints_size + floats_size:]
-    return Header(bool(error), sequence, batch_size, width, tokens, rejected, fingerprint, payload,
+    return Header(bool(error), sequence, batch_size, table_schema, tokens, rejected, fingerprint, payload,
                   _unfixed(text[:MESSAGE_BYTES]), _unfixed(text[MESSAGE_BYTES:]), magic == _MAGIC)
 
 
@@ -174,15 +174,15 @@ def describe_error(error: BaseException) -> str:
     return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
 
 
-def agree(group: Group, name: str, *, error: BaseException | None = None, batch_size: int = -1, width: int = -1,
+def agree(group: Group, name: str, *, error: BaseException | None = None, batch_size: int = -1, table_schema: int = -1,
           tokens: int = -1, rejected: int = 0, config_text: str = "", payload: Sequence[float] = ()) -> list[Header]:
     """One all-gather of a fixed-size header over ``group`` (``name`` "cp" or "dp" for messages).
 
     Raises on every rank, with one message naming the rank and what is wrong, when any rank reports an
     error (the rank that failed re-raises ``error`` itself), when the ranks' configs differ (the keys and
-    each rank's value), or when they disagree on the batch size or table width. Returns every header.
+    each rank's value), or when they disagree on the batch size or the per-sequence table's schema. Returns every header.
     """
-    blob = encode_header(error=error, batch_size=batch_size, width=width, tokens=tokens, rejected=rejected,
+    blob = encode_header(error=error, batch_size=batch_size, table_schema=table_schema, tokens=tokens, rejected=rejected,
                          config_text=config_text, payload=payload)
     device = collective_device(group)
     local = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
@@ -206,7 +206,7 @@ def agree(group: Group, name: str, *, error: BaseException | None = None, batch_
     if len({h.fingerprint for h in headers}) > 1:
         raise PeerFailure(f"{name} ranks disagree on the effective config: {_config_difference(headers, name)} "
                           f"(every rank of a {name} group must run the same correction; {me} stops)")
-    for field, label in (("batch_size", "the number of sequences"), ("width", "the per-sequence table width")):
+    for field, label in (("batch_size", "the number of sequences"), ("table_schema", "the per-sequence table's columns")):
         values = [getattr(h, field) for h in headers]
         if len(set(values)) > 1:
             raise PeerFailure(f"{name} ranks disagree on {label}: "

@@ -50,7 +50,7 @@ from torch import Tensor
 from . import ops
 from .ops import LOG_RATIO_CLAMP, indicator
 
-NO_VALUE = -3.0e38  # max-column value of a sequence without a usable token
+NO_VALUE = -3.0e38  # max-column value of a sequence without a usable token (−NO_VALUE: a min column's)
 
 
 def split_option(option: str) -> tuple[str, str]:
@@ -63,7 +63,8 @@ PROBABILITY_ESTIMATORS = ("tv", "atv", "bkl")
 DIRECTIONAL = {"dtv": "tv", "dbkl": "bkl", "datv": "atv"}  # a directional option's estimator -> the statistic it reads
 # the columns of a gated (directional sequence) option: moving-out tokens, and the kept tokens that stay
 GATED_SUMS = ("n:out", "n_pass:in", "sum_w:in", "sum_w2:in")
-GATED_MAXES = ("max_w:in", "negmin_w:in")
+GATED_MAXES = ("max_w:in",)
+GATED_MINS = ("min_w:in",)
 _LOG_TINY = -745.0  # below log of the smallest float64: log(1 − p) at p = 1 stays finite (a large bkl, not inf)
 
 
@@ -153,22 +154,25 @@ def within(statistic: Tensor, estimator: str, lower: float | None, upper: float)
 
 @dataclass(frozen=True)
 class Layout:
-    """Which per-sequence columns the configured options need, after the core's base columns."""
+    """Which per-sequence columns the configured options need (named; the core's table schema reduces the
+    ``sum_names`` by sum, the ``max_names`` by max and the ``min_names`` by min, across CP ranks)."""
 
     options: tuple[tuple[str, float | None, float], ...]
     sum_names: tuple[str, ...]
     max_names: tuple[str, ...]
-    gated: bool = False  # a directional sequence option: the GATED_SUMS and GATED_MAXES columns are there
+    min_names: tuple[str, ...] = ()
+    gated: bool = False  # a directional sequence option: the GATED_SUMS, GATED_MAXES, GATED_MINS columns are there
 
     @classmethod
     def of(cls, options) -> "Layout":
-        sums, maxes = [], []
+        sums, maxes, mins = [], [], []
         for option, _, _ in options:
             aggregation, estimator = split_option(option)
             statistic = statistic_of(estimator)
             if aggregation == "token":
                 sums.append(f"rejected:{option}")
-                maxes += [f"max:{option}", f"negmin:{option}"]
+                maxes.append(f"max:{option}")
+                mins.append(f"min:{option}")
             elif aggregation == "seq_max":
                 maxes.append(f"max:{statistic}")
             else:
@@ -179,16 +183,9 @@ class Layout:
         if gated:
             sums += GATED_SUMS
             maxes += GATED_MAXES
+            mins += GATED_MINS
         unique = lambda names: tuple(dict.fromkeys(names))  # noqa: E731
-        return cls(tuple(options), unique(sums), unique(maxes), gated)
-
-    @property
-    def width(self) -> int:
-        return len(self.sum_names) + len(self.max_names)
-
-    def column(self, name: str) -> int:
-        names = self.sum_names + self.max_names
-        return names.index(name)
+        return cls(tuple(options), unique(sums), unique(maxes), unique(mins), gated)
 
 
 def token_decisions(options, estimators: dict[str, Tensor], out: Tensor | None = None) -> dict[str, Tensor]:
@@ -205,72 +202,71 @@ def token_decisions(options, estimators: dict[str, Tensor], out: Tensor | None =
 
 
 def gated_token_values(out: Tensor, token_pass: Tensor, weight: Tensor) -> dict[str, Tensor]:
-    """The per-token values of the GATED_SUMS and GATED_MAXES columns: the moving-out tokens, and the count, Σw,
-    Σw² and extremes of the passing tokens that stay (``weight``: the token weight where passing, else 0)."""
+    """The per-token values of the GATED_SUMS, GATED_MAXES and GATED_MINS columns: the moving-out tokens, and the
+    count, Σw, Σw² and extremes of the passing tokens that stay (``weight``: the token weight where passing, else
+    0)."""
     staying = (1.0 - out).mul_(token_pass)
     leaving = 1.0 - staying  # not passing, or moving out: out of the staying extremes
     staying_weight = weight * staying
     return {"n:out": out, "n_pass:in": staying, "sum_w:in": staying_weight, "sum_w2:in": staying_weight.square(),
             "max_w:in": staying_weight - leaving,  # −1 where not staying, as the base max column
-            "negmin_w:in": leaving.mul(-3.0e38).sub_(staying_weight)}  # −(min): 3e38 where not staying
+            "min_w:in": leaving.mul(3.0e38).add_(staying_weight)}  # 3e38 where not staying, as the base min column
 
 
-def staying_columns(layout: Layout, columns: Tensor) -> dict[str, Tensor]:
-    """The base table's kept-token columns of a gated sequence, from its GATED columns (core.COL names)."""
-    column = lambda name: columns[:, layout.column(name)]  # noqa: E731
-    return {"n_token_pass": column("n_pass:in"), "sum_token_weight": column("sum_w:in"),
-            "sum_token_weight_sq": column("sum_w2:in"), "max_token_weight": column("max_w:in").clamp(min=-1.0),
-            "min_token_weight": -column("negmin_w:in")}
+def staying_columns(columns: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The base table's kept-token columns of a gated sequence, from its GATED columns (by the table's names)."""
+    return {"n_token_pass": columns["n_pass:in"], "sum_token_weight": columns["sum_w:in"],
+            "sum_token_weight_sq": columns["sum_w2:in"], "max_token_weight": columns["max_w:in"].clamp(min=-1.0),
+            "min_token_weight": columns["min_w:in"]}
 
 
 def local_columns(layout: Layout, usable: Tensor, estimators: dict[str, Tensor], kept: dict[str, Tensor],
-                  per_seq_sum, per_seq_max, gated: dict[str, Tensor] | None = None) -> Tensor:
-    """[B, layout.width] per-sequence sums then maxima of this rank's tokens (``gated``: the values of
+                  per_seq_sum, per_seq_max, per_seq_min, gated: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """This rank's per-sequence columns [B] by name: the layout's sums, maxima and minima (``gated``: the values of
     ``gated_token_values``, with a directional sequence option)."""
-    not_usable = (1.0 - usable).mul_(-NO_VALUE)  # pushes non-usable tokens to −3e38 in maxima
-    columns = []
+    not_usable = (1.0 - usable).mul_(-NO_VALUE)  # pushes non-usable tokens to −3e38 in maxima, +3e38 in minima
+    columns = {}
     for name in layout.sum_names:
         kind, what = name.split(":")
         if name in GATED_SUMS:  # (metrics-only: no gate acts, zeros hold the place)
-            columns.append(per_seq_sum(gated[name] if gated else torch.zeros_like(usable)))
+            columns[name] = per_seq_sum(gated[name] if gated else torch.zeros_like(usable))
         elif what == "any_token_option":
             rejected_any = torch.zeros_like(usable)
             for keep in kept.values():
                 rejected_any = torch.maximum(rejected_any, 1.0 - keep)
-            columns.append(per_seq_sum(rejected_any.mul_(usable)))
+            columns[name] = per_seq_sum(rejected_any.mul_(usable))
         elif kind == "rejected":
-            columns.append(per_seq_sum((1.0 - kept[what]).mul_(usable)))
+            columns[name] = per_seq_sum((1.0 - kept[what]).mul_(usable))
         else:  # sum:k
-            columns.append(per_seq_sum(estimators[what] * usable))
-    for name in layout.max_names:
-        kind, what = name.split(":")
-        if name in GATED_MAXES:
-            columns.append(per_seq_max(gated[name] if gated else torch.zeros_like(usable)))
-            continue
-        value = estimators[statistic_of(split_option(what)[1]) if what.startswith("token") else what]
-        value = -value if kind == "negmin" else value
-        columns.append(per_seq_max(value - not_usable))
-    return torch.stack(columns, dim=1)  # called only with at least one option, so never empty
+            columns[name] = per_seq_sum(estimators[what] * usable)
+    for names, reduce in ((layout.max_names, per_seq_max), (layout.min_names, per_seq_min)):
+        for name in names:
+            if name in GATED_MAXES or name in GATED_MINS:
+                columns[name] = reduce(gated[name] if gated else torch.zeros_like(usable))
+                continue
+            _, what = name.split(":")
+            value = estimators[statistic_of(split_option(what)[1]) if what.startswith("token") else what]
+            columns[name] = reduce(value - not_usable if reduce is per_seq_max else value + not_usable)
+    return columns
 
 
-def sequence_statistic(layout: Layout, option: str, columns: Tensor, n_usable: Tensor) -> Tensor:
-    """The per-sequence statistic [B] of a sequence option from the combined columns."""
+def sequence_statistic(option: str, columns: dict[str, Tensor], n_usable: Tensor) -> Tensor:
+    """The per-sequence statistic [B] of a sequence option from the combined columns (by name)."""
     aggregation, estimator = split_option(option)
     estimator = statistic_of(estimator)
     if aggregation == "seq_max":
-        return columns[:, layout.column(f"max:{estimator}")].clamp(min=0.0)  # no usable token -> 0
-    total = columns[:, layout.column(f"sum:{estimator}")]
+        return columns[f"max:{estimator}"].clamp(min=0.0)  # no usable token -> 0
+    total = columns[f"sum:{estimator}"]
     return total if aggregation == "seq_sum" else total / n_usable.clamp(min=1.0)
 
 
-def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: dict[str, Tensor],
+def evaluate(layout: Layout, columns: dict[str, Tensor], n_usable: Tensor, token_values: dict[str, Tensor],
              token_kept: dict[str, Tensor], usable: Tensor, out: Tensor | None = None,
              seq_index: Tensor | None = None):
     """Sequence rejections, the directional sequence options' gate, and every option's metrics.
 
-    Returns (seq_reject [B] bool, gate [B] bool or None without a directional sequence option, token metrics
-    {name: [N]}, sequence metrics {name: [B]}, batch metrics {name: 0-d}: each option's max and min). ``out``: the
-    moving-out tokens and ``seq_index`` each token's sequence, with a directional sequence option. Metric names, generated here for every option:
+    Returns a ``Verdict`` (the batch metrics: each option's max and min). ``out``: the moving-out tokens and
+    ``seq_index`` each token's sequence, with a directional sequence option. Metric names, for every option:
     rs_<option>_{mean,max,min,masked_token_fraction,masked_seq_fraction}, plus
     rs_divergence_masked_{token,seq}_fraction over all options together.
     """
@@ -280,19 +276,18 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
     seq_metrics: dict[str, Tensor] = {}
     batch_metrics: dict[str, Tensor] = {}  # 0-d: broadcast to the tokens as stride-0 views, not gathered per token
     nonempty = n_usable > 0
-    moved = columns[:, layout.column("n:out")] > 0 if layout.gated else None  # a gated sequence loses a token
+    moved = columns["n:out"] > 0 if layout.gated else None  # a gated sequence loses a token
     for option, lower, upper in layout.options:
         aggregation, estimator = split_option(option)
         prefix = f"rs_{option}"
         if aggregation == "token":
             token_metrics[f"{prefix}_mean"] = token_values[statistic_of(estimator)]
             token_metrics[f"{prefix}_masked_token_fraction"] = (1.0 - token_kept[option]).mul_(usable)
-            seq_metrics[f"{prefix}_masked_seq_fraction"] = (columns[:, layout.column(f"rejected:{option}")] > 0).float()
-            high = columns[:, layout.column(f"max:{option}")]
-            low = -columns[:, layout.column(f"negmin:{option}")]
+            seq_metrics[f"{prefix}_masked_seq_fraction"] = (columns[f"rejected:{option}"] > 0).float()
+            high, low = columns[f"max:{option}"], columns[f"min:{option}"]
             batch_max, batch_min = _extremes(high, low, nonempty)
         else:
-            statistic = sequence_statistic(layout, option, columns, n_usable)
+            statistic = sequence_statistic(option, columns, n_usable)
             rejected = (within(statistic, estimator, lower, upper) == 0) & nonempty
             seq_metrics[f"{prefix}_mean"] = statistic
             if estimator in DIRECTIONAL:  # the gate: only the sequence's moving-out tokens are rejected
@@ -305,7 +300,7 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
                 seq_metrics[f"{prefix}_masked_seq_fraction"] = rejected.float()
             batch_max, batch_min = _extremes(statistic, statistic, nonempty)
         batch_metrics[f"{prefix}_max"], batch_metrics[f"{prefix}_min"] = batch_max, batch_min
-    token_rejected = (columns[:, layout.column("rejected:any_token_option")] > 0
+    token_rejected = (columns["rejected:any_token_option"] > 0
                       if "rejected:any_token_option" in layout.sum_names else torch.zeros_like(seq_reject))
     any_token = None
     for keep in token_kept.values():
@@ -315,9 +310,19 @@ def evaluate(layout: Layout, columns: Tensor, n_usable: Tensor, token_values: di
         any_token = torch.maximum(any_token, gate.float().index_select(0, seq_index) * out)
         token_rejected = token_rejected | (gate & moved)
     seq_metrics["rs_divergence_masked_seq_fraction"] = (seq_reject | token_rejected).float()
-    seq_metrics["_divergence_seq_reject"] = seq_reject.float()
-    token_metrics["_divergence_token_rejected"] = any_token
-    return seq_reject, gate, token_metrics, seq_metrics, batch_metrics
+    return Verdict(seq_reject, gate, token_metrics, seq_metrics, batch_metrics, any_token)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``evaluate`` decides and measures."""
+
+    seq_reject: Tensor  # [B] bool: rejected whole by a sequence option
+    gate: Tensor | None  # [B] bool: a directional sequence option fired (None without one)
+    token_metrics: dict[str, Tensor]  # [N]
+    seq_metrics: dict[str, Tensor]  # [B]
+    batch_metrics: dict[str, Tensor]  # 0-d
+    rejected_tokens: Tensor  # [N] 0/1: usable tokens a token option or a fired gate removes
 
 
 def _extremes(high: Tensor, low: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:

@@ -93,6 +93,24 @@ def indicator(compare, a: Tensor, b) -> Tensor:
     return compare(a, b, out=torch.empty_like(a, dtype=torch.float32))
 
 
+def usable_tokens(train_log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor) -> Tensor:
+    """The one definition of a usable token, float 0/1 (the dtype of the log-probs): a valid token whose two
+    log-probs are both finite and inside (−LOG_PROB_BOUND, LOG_PROB_BOUND). NaN propagates through ``maximum`` and
+    compares false, so NaN, ±inf and fill values all fail this one test."""
+    largest = torch.maximum(train_log_probs.abs(), rollout_log_probs.abs())
+    return torch.lt(largest, LOG_PROB_BOUND, out=torch.empty_like(largest)).mul_(valid)
+
+
+def ess(sum_w: Tensor, sum_w_sq: Tensor, count: Tensor, empty: float) -> Tensor:
+    """The effective sample size fraction of n weights from their sums (the one formula for every ESS reported):
+
+        ESS = (Σ w)² / (n · Σ w²)  ∈ (0, 1] by Cauchy–Schwarz,   ``empty`` where n · Σ w² = 0
+
+    (float64 sums: the clamp only keeps the division's unused branch finite)."""
+    denominator = count * sum_w_sq
+    return torch.where(denominator > 0, sum_w.square() / denominator.clamp(min=1e-300), empty)
+
+
 _CONSTANTS: dict = {}
 
 

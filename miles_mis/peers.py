@@ -16,82 +16,102 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import core, distributed, gate, rejections
+from . import correction, distributed, gate, rejections
 from .config import MisConfig
 from .inputs import PackedInputs, host_setting
 
 
-@dataclass
-class PreparedCall:
-    """What a rank computes before talking to its peers."""
+class PeerReductions:
+    """``correction.Reductions`` over this rank's CP group and, for the batch quantities the config takes over it
+    (``DpScopes``), its DP group. ``packed``/``config``/``text`` are None on a rank that failed before it had them
+    (it only takes part in ``fail``)."""
 
-    config: MisConfig
-    packed: PackedInputs
-    terms: core.TokenTerms  # with an adaptive token-level bound: not yet bounded (the bound needs every rank)
-    text: str
-    batch_values: Tensor  # this rank's batch sums (and bound histogram), combined over CP in the agreement header
-    rejected: Tensor | None  # [N] (or [2, N]) 0/1 tokens removed at token level (core.token_rejections), under CP
-    # with a config that can (else None)
-    num_rejected: int = 0
+    def __init__(self, cp: distributed.Group, dp: distributed.Group, config: MisConfig | None,
+                 packed: PackedInputs | None, text: str):
+        self.cp, self.dp, self.config, self.packed, self.text = cp, dp, config, packed, text
+        self.scopes = dp_scopes(config) if config is not None else DpScopes(False, False, False, False)
+        self.exchanges_token_rejections = cp.size > 1
 
+    # --------------------------------------------------------------- the agreement (the first exchange)
+    def fail(self, error: BaseException) -> None:
+        """This rank failed before the agreement: the CP peers learn it in the agreement, the DP peers in the first
+        DP exchange they wait in; then raise (every rank raises together)."""
+        self._agree(error, payload=(), num_rejected=0)
+        raise error
 
+    def batch_values(self, values: Tensor, rejected: Tensor | None) -> tuple[Tensor, list | None]:
+        """The batch-sum vector combined over the CP group, which travels in the agreement header (the headers are
+        the agreement)."""
+        if self.cp.size == 1:
+            return values, None
+        headers = self._agree(None, payload=values.tolist(),
+                              num_rejected=0 if rejected is None else int(rejected.sum()))
+        return correction.combine_batch_values(
+            torch.tensor([h.payload[:values.numel()] for h in headers], dtype=torch.float64)), headers
 
-def agree_with_cp_peers(cp: distributed.Group, dp: distributed.Group, local: PreparedCall | None,
-                         error: Exception | None) -> tuple[list | None, Tensor]:
-    """The agreement headers of the CP group (None at CP size 1) and the batch values combined over it.
+    def _agree(self, error: BaseException | None, payload, num_rejected: int) -> list | None:
+        """The CP agreement (or, at CP size 1, ``error`` raised); whatever is raised here is first announced to the
+        DP peers waiting in their first DP exchange."""
+        packed = self.packed
+        try:
+            if self.cp.size > 1:
+                batch = None if packed is None else packed.batch
+                return distributed.agree(
+                    self.cp, "cp", error=error, batch_size=-1 if batch is None else batch.num_seqs,
+                    table_schema=-1 if batch is None else correction.TableSchema.of(
+                        self.config, batch.lags is not None).fingerprint,
+                    tokens=-1 if batch is None else batch.seq_index.numel(), rejected=num_rejected,
+                    config_text=self.text, payload=payload)
+            if error is not None:
+                raise error
+            return None
+        except Exception as failure:  # noqa: BLE001
+            if self.dp.size > 1:  # tell the data-parallel peers waiting in their first DP exchange, then raise
+                distributed.agree(self.dp, "dp", error=failure, config_text=self.text)
+            raise
 
-    A local ``error`` travels in this rank's header (or is raised here at CP size 1); whatever is raised here
-    is first announced to the DP peers waiting in their first DP exchange."""
-    text = "" if local is None else local.text
-    headers = None
-    try:
-        if cp.size > 1:
-            headers = distributed.agree(cp, "cp", error=error,
-                                        batch_size=-1 if local is None else local.packed.batch.num_seqs,
-                                        width=-1 if local is None else core.num_columns(
-                                            local.config, local.packed.batch.lags is not None),
-                                        tokens=-1 if local is None else local.packed.batch.seq_index.numel(),
-                                        rejected=0 if local is None else local.num_rejected,
-                                        config_text=text,
-                                        payload=() if local is None else local.batch_values.tolist())
-            size = local.batch_values.numel()
-            batch_values = core.combine_batch_values(
-                torch.tensor([h.payload[:size] for h in headers], dtype=torch.float64))
-        elif error is not None:
-            raise error
-        else:
-            batch_values = local.batch_values
-    except Exception as failure:  # noqa: BLE001
-        if dp.size > 1:  # tell the data-parallel peers waiting in their first DP exchange, then raise
-            distributed.agree(dp, "dp", error=failure, config_text=text)
-        raise
-    return headers, batch_values
+    # --------------------------------------------------------------- the per-sequence table
+    def seq_table(self, table: Tensor, schema: correction.TableSchema, rejected: Tensor | None,
+                  headers: list | None) -> tuple[Tensor, "Rejected | None"]:
+        """The per-sequence table combined over the CP group, and the tokens rejected on any CP rank (exchanged with
+        the table, encoded as the headers' token counts make cheapest)."""
+        if self.cp.size == 1:
+            return table, None
+        packed = self.packed
+        planes = 1 if rejected is None else rejected.dim()
+        encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
+        try:
+            per_rank, gathered = distributed.exchange_seq_stats(
+                table, packed.length_table, self.cp,
+                rejections.encode(rejected, encoding) if rejected is not None else None, names=packed.length_names)
+        except Exception as failure:  # noqa: BLE001
+            if self.dp.size > 1 and self.scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
+                distributed.agree(self.dp, "dp", error=failure, config_text=self.text)
+            raise
+        rank, index, plane = rejections.decode(gathered, encoding)
+        positions, sequences = rejections.positions(rank, index, packed.length_table, self.cp.size)
+        if planes == 1:
+            return schema.combine(per_rank), Rejected(positions)
+        gated = plane == 1
+        return schema.combine(per_rank), Rejected(positions[~gated], positions[gated], sequences[gated])
 
+    # --------------------------------------------------------------- the DP-scoped batch quantities
+    def _dp_sum(self, values: Tensor, scoped: bool) -> Tensor:
+        return distributed.dp_sum(values, self.dp, self.text) if scoped and self.dp.size > 1 else values
 
-def correct_with_peers(local: PreparedCall, cp: distributed.Group, dp: distributed.Group, headers: list | None,
-                        batch_values: Tensor) -> tuple[core.Correction, "Rejected | None"]:
-    """Bound, per-sequence table (exchanged over CP), finalize with the DP reductions the config asks for.
-    Returns the correction and the tokens any CP rank rejected (None at CP size 1)."""
-    config, packed, text = local.config, local.packed, local.text
-    scopes = dp_scopes(config)
-    dp_sum = (lambda values: distributed.dp_sum(values, dp, text)) if dp.size > 1 else None  # noqa: E731
-    exchanged: list[Rejected] = []  # the table exchange's second result: the tokens any CP rank rejected
+    def token_histogram(self, histogram: Tensor) -> Tensor:
+        return self._dp_sum(histogram, self.scopes.token_bound)
 
-    def seq_table(stats: Tensor) -> Tensor:
-        stats, rejected = _exchange_seq_table(local, stats, cp, dp, headers, scopes)
-        exchanged.append(rejected)
-        return stats
+    def seq_histogram(self, histogram: Tensor) -> Tensor:
+        return self._dp_sum(histogram, self.scopes.seq_bound)
 
-    reductions = core.Reductions(
-        seq_table=seq_table if cp.size > 1 else core.LOCAL.seq_table,
-        token_histogram=dp_sum if scopes.token_bound else None,
-        seq_histogram=dp_sum if scopes.seq_bound else None,
-        normalizer=dp_sum if scopes.normalize else None,
-        gate=((lambda parts: distributed.dp_reduce(parts, dp, text, gate.PART_REDUCE))
-              if dp.size > 1 and scopes.gate else None))
-    correction = core.correct(packed.batch, config, reductions, terms=local.terms, batch_values=batch_values)
-    log_warning(correction, cp)
-    return correction, exchanged[0] if exchanged else None
+    def normalizer(self, mean_parts: Tensor) -> Tensor:
+        return self._dp_sum(mean_parts, self.scopes.normalize)
+
+    def gate(self, parts: Tensor) -> Tensor:
+        if self.scopes.gate and self.dp.size > 1:
+            return distributed.dp_reduce(parts, self.dp, self.text, gate.PART_REDUCE)
+        return parts
 
 
 @dataclass(frozen=True)
@@ -102,31 +122,6 @@ class Rejected:
     positions: Tensor  # [M] int64
     gated_positions: Tensor | None = None  # [G] int64, the moving-out tokens
     gated_sequences: Tensor | None = None  # [G] int64, their sequences
-
-
-def _exchange_seq_table(local: PreparedCall, stats: Tensor, cp: distributed.Group, dp: distributed.Group,
-                        headers: list, scopes: DpScopes) -> tuple[Tensor, Rejected]:
-    """The per-sequence table combined over the CP group, and the tokens rejected on any CP rank (exchanged with
-    the table, encoded as the headers' token counts make cheapest)."""
-    packed = local.packed
-    planes = 1 if local.rejected is None else local.rejected.dim()
-    encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
-    try:
-        stats, gathered = distributed.exchange_seq_stats(
-            stats, packed.length_table, cp,
-            rejections.encode(local.rejected, encoding) if local.rejected is not None else None,
-            names=packed.length_names)
-    except Exception as failure:  # noqa: BLE001
-        if dp.size > 1 and scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
-            distributed.agree(dp, "dp", error=failure, config_text=local.text)
-        raise
-    stats = core.combine_seq_stats(stats, local.config)
-    rank, index, plane = rejections.decode(gathered, encoding)
-    positions, sequences = rejections.positions(rank, index, packed.length_table, cp.size)
-    if planes == 1:
-        return stats, Rejected(positions)
-    gated = plane == 1
-    return stats, Rejected(positions[~gated], positions[gated], sequences[gated])
 
 
 # --------------------------------------------------------------------------- data-parallel scopes
@@ -146,7 +141,7 @@ class DpScopes:
 
 
 def dp_scopes(config: MisConfig) -> DpScopes:
-    auto_dp = config.use_tis and config.adaptive_bound and config.tis_auto_scope == "dp"
+    auto_dp = config.use_tis and config.upper_bound.adaptive and config.upper_bound.scope == "dp"
     return DpScopes(config.use_tis and config.tis_batch_normalize and config.tis_batch_normalize_scope == "dp",
                      config.use_tis and bool(config.rs_batch_gate) and config.rs_batch_gate_scope == "dp",
                      auto_dp and config.tis_level == "token", auto_dp and config.tis_level != "token")
@@ -174,7 +169,7 @@ def dp_group_of_raw_args(args: Any, parallel_state: Any) -> distributed.Group:
         return distributed.SINGLE
 
 
-def log_warning(correction: core.Correction, cp: distributed.Group = distributed.SINGLE) -> None:
+def log_warning(result: correction.Correction, cp: distributed.Group = distributed.SINGLE) -> None:
     """A warning the core raised (the batch gate fired), once per CP group, through the ``miles_mis`` logger."""
-    if correction.message and cp.rank == 0:
-        logging.getLogger("miles_mis").warning(correction.message)
+    if result.message and cp.rank == 0:
+        logging.getLogger("miles_mis").warning(result.message)

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, backend, batch_inputs, core, distributed, peers, rollouts, sampling_mask, staleness, versions
+from . import advantages, backend, batch_inputs, correction, distributed, peers, rollouts, sampling_mask, staleness, versions
+from .segments import PackedBatch
 from .config import MisConfig
 from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type, and the per-tensor check the tests exercise
@@ -90,10 +91,10 @@ def compute_mis_weights(
     train_log_probs = _policy_log_probs(config, train_log_probs, kwargs)
     packed = _with_optional_inputs(pack_sequences(train_log_probs, rollout_log_probs, loss_masks,
                                                   train_name=_train_name(config)), config, kwargs)
-    correction = _correct_whole_sequences(packed.batch, config, args)
+    result = _correct_whole_sequences(packed.batch, config, args)
     split = lambda flat: list(flat.split_with_sizes(packed.response_lengths))  # noqa: E731
-    weights = None if correction.weights is None else split(correction.weights)
-    return weights, split(_full_masks(packed, correction)), {k: split(v) for k, v in correction.metrics.items()}
+    weights = None if result.weights is None else split(result.weights)
+    return weights, split(_full_masks(packed, result)), {k: split(v) for k, v in result.metrics.items()}
 
 
 def compute_mis_weights_packed(
@@ -133,10 +134,10 @@ def compute_mis_weights_packed(
                                                   train_name=train_name), config, given)
     batch = sampling_mask.with_sizes(batch, given, batch.seq_lengths.tolist(), None)
     batch = _with_rollouts(batch, given, lambda: batch.per_seq_sum(batch.loss_mask))
-    correction = _correct_whole_sequences(batch, config, config_args)
-    if correction.weights is None:  # metrics-only: the input values unchanged, in a new tensor
-        return None, batch.loss_mask.clone(), correction.metrics
-    return correction.weights, _zero_rejected(batch.loss_mask, correction.token_keep), correction.metrics
+    result = _correct_whole_sequences(batch, config, config_args)
+    if result.weights is None:  # metrics-only: the input values unchanged, in a new tensor
+        return None, batch.loss_mask.clone(), result.metrics
+    return result.weights, _zero_rejected(batch.loss_mask, result.token_keep), result.metrics
 
 
 # --------------------------------------------------------------------------- the optional kwargs
@@ -182,7 +183,7 @@ def _full_mask_sums(packed: PackedInputs) -> Tensor:
         0, sample, packed.full_masks.double())
 
 
-def _with_rollouts(batch: core.PackedBatch, kwargs: dict, full_mask_sums: Callable[[], Tensor]) -> core.PackedBatch:
+def _with_rollouts(batch: PackedBatch, kwargs: dict, full_mask_sums: Callable[[], Tensor]) -> PackedBatch:
     """``batch`` with the host's split rollouts (``miles_mis.rollouts``) when it passes ``rollout_ids``;
     ``full_mask_sums`` is computed only then."""
     if not rollouts.given(kwargs):
@@ -191,7 +192,7 @@ def _with_rollouts(batch: core.PackedBatch, kwargs: dict, full_mask_sums: Callab
     return dataclasses.replace(batch, rollouts=groups)
 
 
-def _batch_with_optional_inputs(batch: core.PackedBatch, config: MisConfig, kwargs: dict) -> core.PackedBatch:
+def _batch_with_optional_inputs(batch: PackedBatch, config: MisConfig, kwargs: dict) -> PackedBatch:
     """``batch`` with the host's lags and their mean (``miles_mis.versions``; unchanged when it passes none, an error
     when the config needs them: ``staleness.require_lags``) and the advantages' signs the config reads
     (``miles_mis.advantages``)."""
@@ -218,39 +219,38 @@ def _refuse_dp_scopes(config: MisConfig, entry: str) -> None:
                          "compute_mis_weights_with_cp with parallel_state")
 
 
-def _correct_whole_sequences(batch: core.PackedBatch, config: MisConfig, args: Any = None) -> core.Correction:
+def _correct_whole_sequences(batch: PackedBatch, config: MisConfig, args: Any = None) -> correction.Correction:
     """The core on whole sequences (context parallel size 1): the local table is the whole table."""
-    correction = core.correct(batch, config)
-    peers.log_warning(correction)
-    return with_policy_metric(correction, args, config, batch.seq_index.numel())
+    result = correction.correct(batch, config)
+    peers.log_warning(result)
+    return with_policy_metric(result, args, config, batch.seq_index.numel())
 
 
 # --------------------------------------------------------------------------- the call with CP and DP peers
 def _run(args: Any, cp: distributed.Group, parallel_state: Any, pg_loss: Tensor, inputs: tuple,
          qkv_format: str | None = None, extra: dict | None = None):
-    """Prepare locally, agree with the CP peers, [pick the adaptive bound], exchange the per-sequence table,
-    finalize.
+    """Prepare locally, then the correction with the CP and DP peers (``peers.PeerReductions``).
 
     Any exception before the agreement is carried into its header instead of being raised alone, so every CP
     rank raises together; the DP peers are told in the first DP exchange they wait in (docs/reliability.md).
     """
-    local = error = None
-    dp = distributed.SINGLE
+    config = packed = None
+    text = ""
     try:
-        local = _prepare(args, cp, pg_loss, inputs, qkv_format, extra or {})
-        dp = peers.dp_group(local.config, parallel_state)
-    except Exception as failure:  # noqa: BLE001 (re-raised below, after the peers have been told)
-        error = failure
-        if local is None:
-            dp = peers.dp_group_of_raw_args(args, parallel_state)
-    headers, batch_values = peers.agree_with_cp_peers(cp, dp, local, error)
-    correction, rejected = peers.correct_with_peers(local, cp, dp, headers, batch_values)
-    correction = with_policy_metric(correction, args, local.config, local.packed.batch.seq_index.numel())
-    if correction.weights is not None:
-        pg_loss = weigh_loss(pg_loss, correction.weights, correction.token_keep)
-    masks = list(_full_masks(local.packed, correction, rejected).split_with_sizes(
-        local.packed.response_lengths))
-    return pg_loss, masks, correction.metrics
+        config, packed, text = _prepare(args, cp, pg_loss, inputs, qkv_format, extra or {})
+        dp = peers.dp_group(config, parallel_state)
+    except Exception as failure:  # noqa: BLE001 (raised on every peer by fail)
+        # a rank without its config joins the DP group its raw settings name (its DP peers wait for it there)
+        dp = distributed.SINGLE if config is not None else peers.dp_group_of_raw_args(args, parallel_state)
+        peers.PeerReductions(cp, dp, config, None, text).fail(failure)
+        raise
+    result = correction.correct(packed.batch, config, peers.PeerReductions(cp, dp, config, packed, text))
+    peers.log_warning(result, cp)
+    result = with_policy_metric(result, args, config, packed.batch.seq_index.numel())
+    if result.weights is not None:
+        pg_loss = weigh_loss(pg_loss, result.weights, result.token_keep)
+    masks = list(_full_masks(packed, result, result.exchanged).split_with_sizes(packed.response_lengths))
+    return pg_loss, masks, result.metrics
 
 
 def skips_old_policy_forward(args: Any) -> bool:
@@ -259,23 +259,24 @@ def skips_old_policy_forward(args: Any) -> bool:
     return bool(host_setting(args, "skip_actor_forward_only"))
 
 
-def with_policy_metric(correction: core.Correction, args: Any, config: MisConfig,
-                       num_tokens: int) -> core.Correction:
-    """``correction`` with ``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ,
+def with_policy_metric(result: correction.Correction, args: Any, config: MisConfig,
+                       num_tokens: int) -> correction.Correction:
+    """``result`` with ``mis_numerator_is_current_policy`` (1 on every token) when the ratio's numerator is π_θ,
     not π_old: the skip-forward mode or ``tis_policy: current``. Then the measured mismatch is π_θ against
     π_rollout, staleness and (after the first minibatch) the update included
     (docs/hosts.md#skip-the-old-policy-forward)."""
     if not (skips_old_policy_forward(args) or config.tis_policy == "current"):
-        return correction
-    ones = torch.ones((), dtype=torch.float32, device=correction.token_keep.device).expand(num_tokens)
-    metrics = dict(sorted({**correction.metrics, "mis_numerator_is_current_policy": ones}.items()))
-    return dataclasses.replace(correction, metrics=metrics)
+        return result
+    ones = torch.ones((), dtype=torch.float32, device=result.token_keep.device).expand(num_tokens)
+    metrics = dict(sorted({**result.metrics, "mis_numerator_is_current_policy": ones}.items()))
+    return dataclasses.replace(result, metrics=metrics)
 
 
-def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
-             qkv_format: str | None, extra: dict) -> peers.PreparedCall:
-    """The config, this rank's validated tokens and their token terms: everything before the first exchange. The
-    inputs a host adapter provides (``miles_mis.batch_inputs``) join ``extra`` here, inside the agreement."""
+def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None,
+             extra: dict) -> tuple[MisConfig, PackedInputs, str]:
+    """The config, this rank's validated tokens and the call's settings text (``config_text``): everything before
+    the first exchange. The inputs a host adapter provides (``miles_mis.batch_inputs``) join ``extra`` here, inside
+    the agreement."""
     extra = batch_inputs.with_provided(extra)
     config = MisConfig.from_args(args)
     qkv_format = qkv_format or qkv_format_of(args)
@@ -286,13 +287,9 @@ def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple,
                             train_name=_train_name(config))
     packed = _with_optional_inputs(packed, config, extra)
     check_pg_loss(pg_loss, packed.batch)
-    terms = core.token_terms(packed.batch, config)
-    rejected = core.token_rejections(terms, config) if cp.size > 1 and core.rejects_tokens(config) else None
-    return peers.PreparedCall(config, packed, terms, config_text(config, qkv_format, packed.batch.lags is not None,
-                                                           packed.batch.mask_sizes is not None,
-                                                           rollouts.form(packed.batch.rollouts)),
-                         core.local_batch_values(packed.batch, terms, config), rejected,
-                         0 if rejected is None else int(rejected.sum()))
+    batch = packed.batch
+    return config, packed, config_text(config, qkv_format, batch.lags is not None, batch.mask_sizes is not None,
+                                       rollouts.form(batch.rollouts))
 
 
 def config_text(config: MisConfig, qkv_format: str, has_lags: bool = False, has_mask_sizes: bool = False,
@@ -324,22 +321,22 @@ def weigh_loss(pg_loss: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep.to(weighted.device) > 0, weighted, torch.zeros_like(weighted))
 
 
-def _full_masks(packed: PackedInputs, correction: core.Correction, rejected: peers.Rejected | None = None) -> Tensor:
+def _full_masks(packed: PackedInputs, result: correction.Correction, rejected: peers.Rejected | None = None) -> Tensor:
     """Flat full-length modified masks: the input mask values (dtype too) with rejected tokens set to 0, so a
     kept token keeps its value (0.5 stays 0.5). Metrics-only: the input values unchanged (a new tensor).
     Under CP, identical on every rank and equal to cp = 1: the sequence-level decisions (identical on every
     rank) times the token-level rejections of every rank (``rejected``, exchanged with the table), and the
     moving-out tokens of the sequences a directional gate fired on."""
     masks = packed.full_masks
-    if correction.weights is None:
+    if result.weights is None:
         return masks
-    keep = correction.token_keep
+    keep = result.token_keep
     if packed.local_positions is not None:
-        keep = correction.seq_keep.to(keep.dtype).repeat_interleave(
+        keep = result.seq_keep.to(keep.dtype).repeat_interleave(
             long_tensor(packed.response_lengths, masks.device), output_size=masks.numel())
         positions = None if rejected is None else rejected.positions
-        if rejected is not None and rejected.gated_positions is not None and correction.seq_gate is not None:
-            fired = correction.seq_gate.to(rejected.gated_sequences.device)[rejected.gated_sequences]
+        if rejected is not None and rejected.gated_positions is not None and result.seq_gate is not None:
+            fired = result.seq_gate.to(rejected.gated_sequences.device)[rejected.gated_sequences]
             positions = torch.cat([positions, rejected.gated_positions[fired]])
         if positions is not None and positions.numel():
             keep = keep.index_fill_(0, positions.to(masks.device), 0.0)

@@ -13,7 +13,8 @@ the trainer's ``current_weight_version``: docs/staleness.md) gets, over the micr
       mis_lag_<b>_ess               = (Σ_{i∈b} Σw)² / (Σ_{i∈b} n_valid_i · Σ_{i∈b} Σw²)   (use_tis)
 
   each 0 for an empty bucket, and ``mis_version_lag``, the mean lag over the micro-batch's sequences;
-- lag-aware bounds (``tis_upper_bound_by_lag`` = [U_0, U_1, …]): U_i = U_{min(λ_i, last)} (``seq_upper_bounds``);
+- lag-aware bounds (``tis_upper_bound_by_lag`` = [U_0, U_1, …]): U_i = U_{min(λ_i, last)}
+  (``upper_bound.PerLagBound``);
 - the staleness gate (``rs_max_lag`` = L, ``rs_max_lag_k3`` = κ; ``stale_rejections``):
 
       reject_i |= λ_i > L ∧ (κ unset ∨ k3(λ_i) > κ),   k3(λ) = Σ_{j: λ_j = λ} Σ_t k3_t / Σ_{j: λ_j = λ} n_usable_j
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import ops
 from .config import MisConfig
 
 BUCKETS = ("0", "1", "2", "3plus")  # lag 0, 1, 2, and 3 or more versions behind
@@ -48,13 +50,6 @@ def lags_for(config: MisConfig, lags: Tensor | None) -> Tensor:
     """``lags``, for a stage that acts on them; without them the error of ``require_lags``."""
     require_lags(config, lags is not None)
     return lags
-
-
-def seq_upper_bounds(config: MisConfig, lags: Tensor, device, dtype: torch.dtype = torch.float32) -> Tensor:
-    """[B] upper bound of each sequence: ``tis_upper_bound_by_lag[min(λ_i, last)]``, in the dtype of the ratios it
-    bounds (float32 tokens, float64 sequence ratios: 1.1 in float32 is 1.10000002)."""
-    bounds = torch.tensor(config.tis_upper_bound_by_lag, dtype=dtype, device=device)
-    return bounds.index_select(0, lags.to(device).clamp(max=bounds.numel() - 1))
 
 
 def bucket_of(lags: Tensor) -> Tensor:
@@ -90,13 +85,15 @@ def bucket_metrics(lags: Tensor, n_valid: Tensor, n_usable: Tensor, sum_k3: Tens
     sums = table.new_zeros(len(columns), len(BUCKETS)).index_add_(1, bucket_of(lags.to(table.device)), table)
     valid, usable, k3, *rest = sums.unbind(0)  # each [4]
     numerators, denominators = [k3, valid], [usable, valid.sum().expand(len(BUCKETS))]
-    if n_pass is not None:
-        bounded, passed, weight, weight_sq = rest
-        numerators += [bounded, valid - passed, weight * weight]
-        denominators += [valid, valid, valid * weight_sq]
-    # the ESS is ≤ 1 by Cauchy–Schwarz; its float64 rounding (~1e-16) vanishes in the float32 cast
+    if n_pass is None:
+        ratios = torch.stack(numerators) / torch.stack(denominators).clamp(min=1e-30)
+        return metric_names(False), ratios.view(-1).float()
+    bounded, passed, weight, weight_sq = rest
+    numerators += [bounded, valid - passed]
+    denominators += [valid, valid]
     ratios = torch.stack(numerators) / torch.stack(denominators).clamp(min=1e-30)
-    return metric_names(n_pass is not None), ratios.view(-1).float()
+    # the ESS is ≤ 1 by Cauchy–Schwarz; its float64 rounding (~1e-16) vanishes in the float32 cast
+    return metric_names(True), torch.cat([ratios.view(-1), ops.ess(weight, weight_sq, valid, 0.0)]).float()
 
 
 def metric_names(use_tis: bool) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """A slow, readable per-sequence reference implementation, written straight from docs/math.md.
 
-It loops over sequences and tokens in float64 and shares no code with miles_mis.core, so the
+It loops over sequences and tokens in float64 and shares no code with miles_mis.correction, so the
 fast path can be checked against it. Returns the same things as ``compute_mis_weights``:
 (weights per sequence or None, masks per sequence (the input mask values, 0 on tokens not kept),
 metrics name -> per-sequence lists).

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
-from miles_mis.core import LOG_PROB_BOUND
+from miles_mis.ops import LOG_PROB_BOUND
 from miles_mis.plugin import InputError, _tensor_problem
 
 TOKEN_TIS = MisConfig(use_tis=True, tis_upper_bound=10.0)

@@ -151,7 +151,7 @@ def count_collectives_worker(rank, size):
     """Exactly two collectives per call, whatever the batch size: the fixed-size agreement header, then the
     O(B) table (bytes), with the token-level rejections when a rank has one: the cheaper of a bit per local
     token and an int32 index per rejection, rounded up to 8 bytes, sized by the largest rank."""
-    from miles_mis.core import num_columns
+    from miles_mis.correction import TableSchema
     from miles_mis.distributed import HEADER_BYTES
     from miles_mis.layout import zigzag_layout
 
@@ -173,7 +173,7 @@ def count_collectives_worker(rank, size):
                                tis_batch_normalize=True)
             compute_mis_weights_with_cp(SimpleNamespace(**config.to_dict()), pg_loss=local_pg,
                                         parallel_state=cp_state(rank, size), **kwargs)
-            table_bytes = num_seqs * (num_columns(config) + 3) * 8
+            table_bytes = num_seqs * (TableSchema.of(config).width + 3) * 8
             assert calls[before:] == [HEADER_BYTES, table_bytes]
             # token-level rejections (token MIS): every rank's rejections, encoded, in the same second collective
             totals, responses = torch.tensor(full["total_lengths"]), torch.tensor(full["response_lengths"])

@@ -452,11 +452,11 @@ def test_header_is_fixed_size_and_round_trips():
     from miles_mis import distributed
     from miles_mis.plugin import InputError
 
-    blob = distributed.encode_header(error=InputError("sequence 4: bad" + "é" * 400, 4), batch_size=7, width=12,
+    blob = distributed.encode_header(error=InputError("sequence 4: bad" + "é" * 400, 4), batch_size=7, table_schema=12,
                                      config_text="use_tis=True\ntis_mode='mask'", payload=[1.5, 2.0])
     assert len(blob) == HEADER_BYTES
     header = distributed.decode_header(blob)
-    assert header.error and header.error_sequence == 4 and (header.batch_size, header.width) == (7, 12)
+    assert header.error and header.error_sequence == 4 and (header.batch_size, header.table_schema) == (7, 12)
     assert header.payload == (1.5, 2.0) + (0.0,) * (distributed.PAYLOAD_SLOTS - 2) and header.config_text == "use_tis=True\ntis_mode='mask'"
     assert header.message.startswith("sequence 4: badéé") and header.message.endswith("é...")
     assert len(header.message.encode()) <= distributed.MESSAGE_BYTES

@@ -3,7 +3,7 @@
 Every candidate is a ``MisConfig`` (``use_tis`` on, but for the metrics-only baseline) run over each call of the
 dump exactly as the plugin runs it in training: one call is one micro-batch (the batch normalisation is per
 call), and the per-token numbers are those of ``compute_mis_weights`` (the evaluator runs its steps,
-``pack_sequences`` then ``core.token_terms`` / ``local_seq_stats`` / ``finalize``, without splitting the result
+``pack_sequences`` then ``correction.correct`` (every stage), without splitting the result
 into per-sequence lists; tests/test_advisor.py checks the numbers against ``compute_mis_weights``).
 
 Per candidate, over the valid tokens (loss mask ≠ 0) of the whole dump, with w_t the final weight (after
@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import Tensor
 
-from .. import core
+from .. import correction
 from ..advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..plugin import pack_sequences
@@ -255,21 +255,21 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
     """The sums of one call under one config, and the largest final weight over its kept tokens (None: none).
 
-    As ``compute_mis_weights``: the core's pipeline (``core.correct``) on the packed call, every stage the plugin runs
+    As ``compute_mis_weights``: the core's pipeline (``correction.correct``) on the packed call, every stage the plugin runs
     (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
     """
     batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
-    correction = core.correct(batch, config)
-    keep = correction.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
+    result = correction.correct(batch, config)
+    keep = result.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
     # 0 where rejected; metrics-only: the valid tokens' 0/1, which token_keep is then
-    weight = correction.token_keep if correction.weights is None else correction.weights
+    weight = result.token_keep if result.weights is None else result.weights
     n_kept = float(keep.sum(dtype=torch.float64))
     sums = dict(prepared.sums, kept=n_kept, bounded=0.0,
                 kept_sequences=float((batch.per_seq_sum(keep.float()) > 0).sum()),
                 sum_w=float(weight.sum(dtype=torch.float64)), sum_w_sq=float(weight.square().sum(dtype=torch.float64)))
-    before = correction.metrics.get("mis_tis_weight_before_bound")
-    if correction.weights is not None and before is not None:
-        changed = correction.metrics["mis_tis_weight_after_bound"] != before
+    before = result.metrics.get("mis_tis_weight_before_bound")
+    if result.weights is not None and before is not None:
+        changed = result.metrics["mis_tis_weight_after_bound"] != before
         sums["bounded"] = float(changed.float().mul_(keep).sum(dtype=torch.float64))
     if prepared.sums["adv_tokens"] > 0:
         change = weight - 1.0

@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import truncation as _truncation
 from .truncation import local_values, summary
 
-from ..core import LOG_PROB_BOUND
+from ..ops import LOG_PROB_BOUND
 from ..ops import LOG_RATIO_CLAMP
 from ..staleness import BUCKETS as LAG_BUCKETS
 from ..staleness import bucket_of
