@@ -20,8 +20,8 @@ Compared on the same inputs, each in its host's native format (that conversion i
 list, packed, padded and list I/O are timed in one interleaved pass (the order shuffled every round);
 per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
 after it). The cost of the "where the mismatch lives" location sums (miles_mis.location.local_values, via
-core.local_batch_values) is the default packed call timed with and without them, interleaved in a third
-pass: without = core.local_batch_values replaced by a function returning a zero vector of the same size
+pipeline.local_batch_values) is the default packed call timed with and without them, interleaved in a third
+pass: without = pipeline.local_batch_values replaced by a function returning a zero vector of the same size
 and dtype (restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the
 packed entry points at B=8 and B=512: each must be equal.
 
@@ -65,7 +65,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from op_count import count_aten_ops  # noqa: E402
 
-from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp, core  # noqa: E402
+from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp  # noqa: E402
+from miles_mis.correction import pipeline  # noqa: E402  (its batch-sum stage is swapped out in location_share_ms)
 from miles_mis.location import BUCKET_NAMES, POSITION_EDGES  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
@@ -358,21 +359,21 @@ def interleaved_medians_ms(*fns, repeats, seed=0):
 
 def location_share_ms(flat, repeats: int) -> tuple[float, float]:
     """Median times of the default packed call with and without the location sums, interleaved."""
-    real = core.local_batch_values
+    real = pipeline.local_batch_values
     seen = []
-    core.local_batch_values = lambda *args: seen.append(real(*args)) or seen[-1]
+    pipeline.local_batch_values = lambda *args: seen.append(real(*args)) or seen[-1]
     try:
         ours_packed(flat)
     finally:
-        core.local_batch_values = real
+        pipeline.local_batch_values = real
     zeros = torch.zeros_like(seen[0])  # what the stage returns, as zeros: the rest of the call is unchanged
 
     def without():
-        core.local_batch_values = lambda batch, terms, config: zeros
+        pipeline.local_batch_values = lambda batch, terms, config: zeros
         try:
             return ours_packed(flat)
         finally:
-            core.local_batch_values = real
+            pipeline.local_batch_values = real
 
     return tuple(interleaved_medians_ms(lambda: ours_packed(flat), without, repeats=repeats))
 

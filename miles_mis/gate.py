@@ -32,8 +32,8 @@ def parts(sum_k3: Tensor, sum_log_ratio: Tensor, n_usable: Tensor, max_abs_log_r
 
 def statistics(values: Tensor) -> dict[str, Tensor]:
     """The gate's statistics (0-d float32) from PARTS values combined over the scope."""
-    n = values[2].clamp(min=1.0)
-    return {"k3": (values[0] / n).float(), "kl": (values[1] / n).float(), "max_abs_log_ratio": values[3].float()}
+    k3, kl, _, _ = (values / values[2].clamp(min=1.0)).float().unbind(0)  # (n/n and max/n: unused)
+    return {"k3": k3, "kl": kl, "max_abs_log_ratio": values[3].float()}
 
 
 def decide(stats: dict[str, Tensor], thresholds) -> tuple[bool, str | None]:

@@ -76,7 +76,8 @@ _INDEX = tuple(_NUMERATORS + _DENOMINATORS)
 
 
 def metrics(values: Tensor) -> dict[str, Tensor]:
-    """Batch-level metric values (0-d float32) from the combined vector: every ratio in one division."""
+    """Batch-level metric values (0-d float64; the core casts every batch metric to float32 in one op) from the
+    combined vector: every ratio in one division."""
     parts = values.index_select(0, constant(_INDEX, values.device)).view(2, -1)
-    ratios = (parts[0] / parts[1].clamp(min=1.0)).float()
+    ratios = parts[0] / parts[1].clamp(min=1.0)
     return dict(zip((name for name, _, _ in _RATIOS), ratios.unbind(0)))

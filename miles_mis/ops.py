@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,6 +48,7 @@ def expm1(x: Tensor) -> Tensor:
     return torch.where(x.abs() < 1.0, x * series, torch.exp(x) - 1.0)
 
 
+@functools.lru_cache(maxsize=256)  # a config's few bounds: computed once per process, not once per call
 def log_bound(bound: float) -> float:
     """A ratio bound B as the log-ratio threshold token decisions compare with: ln B rounded to float32, −inf below
     −LOG_RATIO_CLAMP and +inf above +LOG_RATIO_CLAMP, so that for a float32 log ratio ℓ (unclamped)

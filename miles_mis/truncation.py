@@ -28,7 +28,7 @@ With the host's kept-set sizes s_t (0 = not recorded), over the usable tokens wi
 
 All are ratios of sums (and one minimum), so every CP rank's partial sums travel in the agreement header with the
 rest of the batch vector (``combine``): CP-exact, no extra collective. Batch-level metrics (0 with no token).
-The thresholds are measured on SmolLM2-135M (docs/lab.md, the truncation atlas rows).
+The thresholds are measured on SmolLM2-135M (docs/lab/truncation.md).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def combine(per_rank: Tensor) -> Tensor:
 
 
 def metrics(values: Tensor, with_sizes: bool) -> dict[str, Tensor]:
-    """Batch-level metric values (0-d float32) from the combined vector; the sampling-mask ones ``with_sizes``."""
+    """Batch-level metric values (0-d: float64, the alarm bool; the core casts every batch metric to float32 in one
+    op) from the combined vector; the sampling-mask ones ``with_sizes``."""
     v = dict(zip(NAMES, values.unbind(0)))
     usable = v["usable_n"].clamp(min=1.0)
     mean = v["sum_log_ratio"] / usable
@@ -85,11 +86,11 @@ def metrics(values: Tensor, with_sizes: bool) -> dict[str, Tensor]:
     alarm = (negative_fraction >= NEGATIVE_FRACTION) & (standardized <= -STANDARDIZED_MEAN) \
         & (mean <= -MEAN_SHIFT) & (v["nonzero_n"] >= MIN_TOKENS)
     out = {"log_ratio_negative_fraction": negative_fraction, "log_ratio_standardized_mean": standardized,
-           "log_ratio_mean": mean, "unreplayed_truncation": alarm.double()}
+           "log_ratio_mean": mean, "unreplayed_truncation": alarm}
     if with_sizes:
         recorded = v["mask_n"].clamp(min=1.0)
         out.update({"sampling_mask_size_mean": v["mask_size_sum"] / recorded,
                     "sampling_mask_size_min": torch.where(v["mask_n"] > 0, -v["mask_negative_min_size"], 0.0),
                     "sampling_mask_singleton_fraction": v["mask_singleton_n"] / recorded,
                     "sampling_mask_unrecorded_fraction": v["mask_unrecorded_n"] / usable})
-    return {name: value.float() for name, value in out.items()}
+    return out

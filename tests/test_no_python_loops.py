@@ -39,3 +39,13 @@ LAG_CONFIGS = [MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_
 def test_op_count_with_lags_does_not_grow_with_batch_size(config):
     ops_per_call(config, 8, lags=True)
     assert ops_per_call(config, 8, lags=True) == ops_per_call(config, 64, lags=True)
+
+
+OP_BUDGET = 265  # aten ops of one default-config call (benchmarks/bench_core.py prints the counts per config)
+
+
+def test_default_call_stays_within_its_op_budget():
+    """The default config's call (use_rs, veto, batch normalisation) runs at most OP_BUDGET aten operations: the
+    per-call cost on CPU is mostly op dispatch at small B, so a new stage must pay for its ops elsewhere."""
+    ops_per_call(OP_COUNT_CONFIGS[0], 8)
+    assert ops_per_call(OP_COUNT_CONFIGS[0], 8) <= OP_BUDGET

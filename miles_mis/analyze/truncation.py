@@ -19,7 +19,7 @@ def local_values(ell: Tensor, usable: Tensor) -> Tensor:
 
 def summary(sums: Tensor) -> dict[str, float]:
     """The detector's values from the summed vector: negative_fraction, standardized_mean, fired (0/1)."""
-    metrics = truncation.metrics(sums, with_sizes=False)
+    metrics = {name: value.float() for name, value in truncation.metrics(sums, with_sizes=False).items()}  # as logged
     return {"negative_fraction": float(metrics["log_ratio_negative_fraction"]),
             "standardized_mean": float(metrics["log_ratio_standardized_mean"]),
             "mean": float(metrics["log_ratio_mean"]), "fired": float(metrics["unreplayed_truncation"])}

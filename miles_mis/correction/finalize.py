@@ -158,23 +158,25 @@ def _clamped_exp(x: Tensor) -> Tensor:
 
 def mismatch_seq_metrics(col: dict[str, Tensor]) -> dict[str, Tensor]:
     """Per-sequence mismatch metrics [B] from the combined table's columns, over the usable tokens of each
-    sequence."""
-    n_usable = col["n_usable"]
-    mean_train = _safe_divide(col["sum_train_log_prob"], n_usable)
-    mean_log_ratio = _safe_divide(col["sum_log_ratio"], n_usable)
+    sequence (the means in one division, the exponentials in one exp: ops per call, not per sequence)."""
+    means = torch.stack([col["sum_train_log_prob"], col["sum_log_ratio"], col["sum_k3"], col["sum_chi2"]])
+    mean_train, mean_log_ratio, k3_kl, chi2_token = _safe_divide(means, col["n_usable"]).unbind(0)
     mean_rollout = mean_train - mean_log_ratio
     log_ppl_diff = -mean_log_ratio  # = mean log π_rollout − mean log π_train
+    training_log_ppl, rollout_log_ppl = -mean_train, -mean_rollout
+    training_ppl, rollout_ppl, ppl_ratio = _clamped_exp(
+        torch.stack([training_log_ppl, rollout_log_ppl, log_ppl_diff])).unbind(0)
     return {
-        "training_log_ppl": -mean_train,
-        "training_ppl": _clamped_exp(-mean_train),
-        "rollout_log_ppl": -mean_rollout,
-        "rollout_ppl": _clamped_exp(-mean_rollout),
+        "training_log_ppl": training_log_ppl,
+        "training_ppl": training_ppl,
+        "rollout_log_ppl": rollout_log_ppl,
+        "rollout_ppl": rollout_ppl,
         "kl": log_ppl_diff,
-        "k3_kl": _safe_divide(col["sum_k3"], n_usable),
+        "k3_kl": k3_kl,
         "log_ppl_diff": log_ppl_diff,
         "log_ppl_abs_diff": log_ppl_diff.abs(),
-        "ppl_ratio": _clamped_exp(log_ppl_diff),
-        "chi2_token": _safe_divide(col["sum_chi2"], n_usable),  # Σ(ρ² − 1)/n: 0 when n = 0
+        "ppl_ratio": ppl_ratio,
+        "chi2_token": chi2_token,  # Σ(ρ² − 1)/n: 0 when n = 0
         "chi2_seq": torch.expm1(2.0 * col["sum_log_ratio"].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
     }
 
@@ -430,10 +432,10 @@ def normalise(mean_parts: Tensor, config: MisConfig, normalizer_reduce: Reduce) 
 
     μ = mean_parts[0] / max(mean_parts[1], 1),   factor = μ if μ > NORMALIZE_MIN_MEAN else 1   (1 when off)
     """
-    mean_parts = normalizer_reduce(mean_parts)
-    mean_w = mean_parts[0] / mean_parts[1].clamp(min=1)
+    numerator, denominator = normalizer_reduce(mean_parts).unbind(0)
+    mean_w = numerator / denominator.clamp(min=1)
     if config.tis_batch_normalize:
-        return torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, torch.ones_like(mean_w))
+        return torch.where(mean_w > NORMALIZE_MIN_MEAN, mean_w, 1.0)
     return torch.ones_like(mean_w)
 
 
@@ -443,11 +445,11 @@ def final_weight_statistics(kept: KeptWeights, factor: Tensor, n_valid: Tensor) 
     is_ratio_batch_{min,max}_final = min/max of w̃ over the kept tokens (0 when none)
     ess = (Σ w̃)² / (N Σ w̃²) = (Σw)² / (N Σw²)   (``ops.ess``; 0 when Σw² = 0)
     """
-    any_kept = kept.max >= 0
+    smallest, largest = torch.where(kept.max >= 0, torch.stack([kept.min, kept.max]) / factor, 0.0).unbind(0)
     return {
         "batch_norm_factor": factor,
-        "is_ratio_batch_min_final": torch.where(any_kept, kept.min / factor, torch.zeros_like(factor)),
-        "is_ratio_batch_max_final": torch.where(any_kept, kept.max / factor, torch.zeros_like(factor)),
+        "is_ratio_batch_min_final": smallest,
+        "is_ratio_batch_max_final": largest,
         # ≤ 1 by Cauchy–Schwarz; the clamp only absorbs float64 rounding
         "ess": ops.ess(kept.sum, kept.sum_sq, n_valid, 0.0).clamp(max=1.0),
     }
@@ -464,8 +466,8 @@ def final_sequence_extremes(col: dict[str, Tensor], seq_keep: Tensor, n_pass: Te
         seq_max, seq_min = col["max_token_weight"], col["min_token_weight"]
     else:
         has_kept, seq_max, seq_min = n_pass > 0, seq.weight, seq.weight
-    return Outcome(seq={"is_ratio_max_final": torch.where(has_kept, seq_max / factor, 0.0),
-                        "is_ratio_min_final": torch.where(has_kept, seq_min / factor, 0.0)})
+    largest, smallest = torch.where(has_kept, torch.stack([seq_max, seq_min]) / factor, 0.0).unbind(0)
+    return Outcome(seq={"is_ratio_max_final": largest, "is_ratio_min_final": smallest})
 
 
 @dataclass(frozen=True)
@@ -521,16 +523,20 @@ def _expand(values: dict[str, Tensor], num_tokens: int,
 
 
 def _batch_extreme(values: Tensor, selected: Tensor, reduce: str, empty: float) -> Tensor:
-    """Max/min of ``values`` over the selected sequences; ``empty`` when none is selected (or B = 0)."""
-    padded = torch.cat([values.new_full((1,), empty), torch.where(selected, values, empty)])
-    return padded.amax() if reduce == "amax" else padded.amin()
+    """Max/min of ``values`` over the selected sequences; ``empty`` when none is selected (or B = 0). ``empty`` is
+    beyond every value's range (−1 below every weight, NO_TOKEN above), so it never wins against a selected one."""
+    if values.numel() == 0:
+        return values.new_full((), empty)
+    masked = torch.where(selected, values, empty)
+    return masked.amax() if reduce == "amax" else masked.amin()
 
 
 def _broadcast(batch: PackedBatch, metrics: dict[str, Tensor],
                decisions: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The per-sequence ``metrics`` and ``decisions`` [B] to the tokens [N] (float32), in one gather."""
     names = (*metrics, *decisions)
-    table = torch.stack([v.float() for v in (*metrics.values(), *decisions.values())], dim=1)
+    # one stack (float64 where any column is: a float32 or 0/1 value round-trips exactly) and one cast
+    table = torch.stack([*metrics.values(), *decisions.values()], dim=1).float()
     per_token = dict(zip(names, batch.broadcast(table).unbind(1)))
     return {name: per_token[name] for name in metrics}, {name: per_token[name] for name in decisions}
 
