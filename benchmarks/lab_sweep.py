@@ -1,6 +1,6 @@
 """Which production mismatch mechanisms make uncorrected RL worse in the lab, and which corrections help?
 
-Mechanisms (each real arithmetic in the engine, docs/lab.md) × algorithms × seeds; every cell is a real lab
+Mechanisms (each real arithmetic in the engine, docs/lab/mechanisms.md) × algorithms × seeds; every cell is a real lab
 run (miles_mis.lab.demo.run_algorithm) with the lab's defaults except the mechanism's flags. Each finished run
 appends one JSON line to ``--results`` (the run is skipped when its line is already there, so an interrupted
 sweep continues where it stopped), and the table is printed from that file:

@@ -15,7 +15,7 @@ import torch
 from miles_mis.lab import task
 from miles_mis.lab.engine import RolloutEngine
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
-from miles_mis.lab.train import warm_start
+from miles_mis.lab.tiny_policy import warm_start
 
 TEMPERATURES = (0.5, 0.7, 1.0, 1.4, 2.0)
 SETTINGS = {"bf16": dict(dtype="bf16"), "fp16": dict(dtype="fp16"),

@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evidence import last_mean, paired_difference  # noqa: E402
 from lab_sweep import (UNRECORDED, append_result, by_machine, left_here, machine,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
-
-from miles_mis.lab.evidence import last_mean, paired_difference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_truncation_rl.jsonl"
 TOP_P = (0.7, 0.9)

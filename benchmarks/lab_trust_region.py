@@ -3,7 +3,7 @@ each rejects at the same overall rejected fraction, and what each does to GRPO.
 
     python benchmarks/lab_trust_region.py tokens   # per engine setting: the masks matched at 0.5, 2 and 5 % rejected
     python benchmarks/lab_trust_region.py rl       # GRPO runs with each mask at bf16 + fp8 weights, 2 seeds
-    python benchmarks/lab_trust_region.py tables   # the markdown tables of docs/lab.md from the results files
+    python benchmarks/lab_trust_region.py tables   # the markdown tables of docs/lab/trust_region.md from the results files
 
 tokens: ``--batches`` rollout batches (16 prompts x 4 samples, the initial weights, seed 0) per engine setting; the
 float32 trainer's π_old against the engine's π_rollout. For each target fraction f the two thresholds that reject

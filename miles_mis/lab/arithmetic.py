@@ -7,7 +7,7 @@ Prompt (the user turn, through the model's chat template, which adds SmolLM2's d
 with a, b drawn uniformly from 0..10^d − 1 (``--num-digits d``, default 1). Reward: 1.0 when the last integer
 in the response (decoded, special tokens dropped) equals a + b, else 0.0; a response that gives the sum and
 then keeps talking is judged by the last number it wrote. SmolLM2-135M-Instruct (the Q4_1 wheel) starts at a
-reward of about 0.2 at temperature 1 with 24 new tokens (docs/lab.md has the candidates measured).
+reward of about 0.2 at temperature 1 with 24 new tokens (docs/lab/smollm2.md has the candidates measured).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ from pathlib import Path
 import yaml
 
 from .. import host
-from .train import ENGINES, PLUGIN, Progress, parse_args, train
+from .flags import ENGINES
+from .run_output import Progress
+from .train import PLUGIN, parse_args, train
 
 # the mismatch setting of the demo (see docs/lab.md for how it was chosen and what it shows)
 # fp8 weights in a bf16 engine: the clearest effect of benchmarks/lab_sweep.py (docs/lab.md): nothing collapses,

@@ -29,34 +29,27 @@ from pathlib import Path
 
 import torch
 
-from .. import compute_mis_weights
+from .. import compute_mis_weights, host
 from ..config import MisConfig, preset_files
+from . import flags
 from .batch_variance import compare_generations, decode_in_batches
 from .dump import PolicyLossDumper, policy_loss_record
-from .train import build_parser as train_parser
 from .kept_set import KeptSets
 from .policy import group_advantages, make_policy
-from .train import old_log_probs_over_sets, parse_args, raw_mismatch
+from .rollout_collection import old_log_probs_over_sets, raw_mismatch
+from .train import parse_args
 
 LOCATION_KEYS = ("mis_k3_first_token", "mis_k3_low_rollout_prob", "mis_low_rollout_prob_token_fraction")
 DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_mean", "mis_log_ratio_mean",
                  "mis_unreplayed_truncation")
 
 
-# train flags that steer only training: measure accepts them (a train command line works) but lists only what acts
-NOT_ACTING = ("steps", "lr", "num_minibatches", "grad_clip", "save_interval", "resume", "wandb_project",
-              "dump_interval", "quiet", "rollout_staleness", "async_max_lag", "out_dir", "context_parallel_size",
-              "mis_set", "decode_term")  # decode_term: a training step's decomposition (measure has --batch-term)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = train_parser()
-    parser.prog = "miles-mis measure"
-    parser.description = __doc__
-    host_group = next(g for g in parser._action_groups if g.title.startswith("policy loss"))
-    for action in parser._actions:  # the policy-loss flags and the training-only ones have no effect here
-        if action.dest in NOT_ACTING or action in host_group._group_actions:
-            action.help = argparse.SUPPRESS
+    """Every flag of ``miles-mis train`` (a train command line measures as it is), but --help lists only those that
+    act here: not the policy-loss flags nor those that only steer training; then measure's own."""
+    parser = argparse.ArgumentParser(prog="miles-mis measure", description=__doc__, formatter_class=host.HelpFormatter)
+    flags.add_policy_loss_flags(parser, shown=False)
+    flags.add_lab_flags(parser, training=False)
     group = parser.add_argument_group("measure")
     group.add_argument("--batches", type=int, default=4, help="rollout batches to measure, >= 1")
     group.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the row as JSON")

@@ -7,8 +7,8 @@ difference of two algorithms' scores on one seed removes the seed's own luck. Ov
 
 and a verdict is stated only when the interval excludes 0 over at least 3 seeds (``verdict``): at 2 seeds the
 interval has one degree of freedom, and with rewards in steps (a last-10 mean of 32 binary rewards moves by 1/320)
-two seeds can give the same difference, a sample sd of 0 and an interval of width 0 around a chance value. Pure Python (no SciPy): the t quantile is
-the root of the t CDF, written with the regularised incomplete beta function (``t_quantile``).
+two seeds can give the same difference, a sample sd of 0 and an interval of width 0 around a chance value. The t
+quantile is SciPy's (``t_quantile``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from scipy import stats
+
 TAIL = 10  # the score of a run: its last-TAIL-step mean reward
 COLLAPSE_GAIN = -0.05  # a run collapsed when its last-10 reward ends 0.05 or more below its first-10 reward
 STALL_GAIN = 0.1  # a run stalled when it gained less than this (reward is a fraction in [0, 1])
@@ -25,56 +27,16 @@ MIN_VERDICT_SEEDS = 3  # fewer paired seeds never make a verdict (see the module
 LEVEL_WINDOW = 5  # the time to a reward level: the first step whose trailing 5-step mean reaches it
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a+1)/(a+b+2)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for numerator in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def regularized_beta(a: float, b: float, x: float) -> float:
-    """I_x(a, b) = B(x; a, b) / B(a, b), for a, b > 0 and 0 ≤ x ≤ 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
 def t_cdf(t: float, df: int) -> float:
-    """P(T ≤ t) for Student's t with ``df`` degrees of freedom: 1 − ½ I_{df/(df+t²)}(df/2, ½) for t ≥ 0."""
-    tail = 0.5 * regularized_beta(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
+    """P(T ≤ t) for Student's t with ``df`` degrees of freedom (SciPy's)."""
+    return float(stats.t.cdf(t, df))
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t (0.5 < p < 1), by bisection on ``t_cdf`` to 1e-12."""
+    """The p-quantile of Student's t (0.5 < p < 1), SciPy's ``t.ppf``."""
     if not 0.5 < p < 1.0 or df < 1:
         raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        high *= 2.0
-    for _ in range(200):
-        middle = 0.5 * (low + high)
-        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
-        if high - low < 1e-12:
-            break
-    return 0.5 * (low + high)
+    return float(stats.t.ppf(p, df))
 
 
 @dataclass(frozen=True)
