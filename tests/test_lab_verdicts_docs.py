@@ -1,6 +1,8 @@
 """benchmarks/lab_verdicts_docs.py: the tables go between the markers of the docs and nowhere else, a missing or
 doubled marker is an error naming the file, and the line on the runs counts what the rows hold."""
 
+import re
+
 import pytest
 
 from conftest import load_benchmark
@@ -27,7 +29,7 @@ DOC = ("# Lab\n\nprose before\n\n<!-- lab_verdicts:verdicts -->\nold tables\n<!-
 def test_the_tables_land_between_the_markers_and_nothing_else_moves(docs, tmp_path):
     path = tmp_path / "lab.md"
     path.write_text(DOC)
-    docs.write_docs(path, SECTIONS, ROWS, 40, "3 runs, about 0.4 CPU hours left", 0)
+    docs.write_docs(path, SECTIONS, ROWS, 40, "3 runs, about 0.4 CPU hours left", 0, tmp_path / "figures")
     text = path.read_text()
     verdicts = text[text.index("<!-- lab_verdicts:verdicts -->"):text.index("<!-- /lab_verdicts:verdicts -->")]
     assert verdicts.startswith("<!-- lab_verdicts:verdicts -->\n`tables` on the runs so far: 3 runs of 40 steps, "
@@ -44,8 +46,18 @@ def test_the_tables_land_between_the_markers_and_nothing_else_moves(docs, tmp_pa
     assert text.startswith("# Lab\n\nprose before\n\n") and "\n\nprose between, kept\n\n" in text
     assert text.endswith("<!-- /lab_verdicts:safe -->\n\n![curve](x.png)\n")
     # a second write of the same tables changes nothing
-    docs.write_docs(path, SECTIONS, ROWS, 40, "3 runs, about 0.4 CPU hours left", 0)
+    docs.write_docs(path, SECTIONS, ROWS, 40, "3 runs, about 0.4 CPU hours left", 0, tmp_path / "figures")
     assert path.read_text() == text
+
+
+def test_the_figures_are_linked_from_where_the_page_lies(docs, tmp_path):
+    """docs/lab/verdicts.md sits one folder below docs/figures' parent: its links go up one level."""
+    page = tmp_path / "docs" / "lab" / "verdicts.md"
+    page.parent.mkdir(parents=True)
+    page.write_text(DOC)
+    docs.write_docs(page, SECTIONS, ROWS, 40, "0 runs", 0, tmp_path / "docs" / "figures")
+    assert "![reward per step, bf16 + fp8 weights](../figures/f8.png)" in page.read_text()
+    assert docs.figures_link(docs.FIGURES.parent / "lab" / "verdicts.md") == "../figures"
 
 
 def test_another_first_rollout_is_said(docs):
@@ -65,9 +77,16 @@ def test_markers_missing_doubled_or_reversed_are_an_error_naming_the_file(docs, 
         docs.replace_marked(text, "safe", "body", "docs/lab.md")
 
 
-def test_the_lab_docs_have_each_marker_once(docs):
+def test_the_lab_docs_have_each_marker_once_and_their_figures_exist(docs):
+    """The markers live on docs/lab/verdicts.md (docs/lab.md links to it and has none); every figure the tables
+    link there is a file."""
     from conftest import REPO
 
-    text = (REPO / "docs" / "lab.md").read_text()
+    page = REPO / "docs" / "lab" / "verdicts.md"
+    text = page.read_text()
     for name in ("verdicts", "safe"):
-        assert docs.replace_marked(text, name, "x", "docs/lab.md").count("<!-- lab_verdicts:") == 2
+        assert docs.replace_marked(text, name, "x", "docs/lab/verdicts.md").count("<!-- lab_verdicts:") == 2
+    assert "lab_verdicts:" not in (REPO / "docs" / "lab.md").read_text()
+    marked = text[text.index("<!-- lab_verdicts:verdicts -->"):text.index("<!-- /lab_verdicts:verdicts -->")]
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", marked)
+    assert figures and all(link.startswith("../figures/") and (page.parent / link).is_file() for link in figures)
