@@ -22,13 +22,13 @@ from typing import Any, Callable, Mapping
 
 from . import backend as _backend
 from . import upper_bound
-from .gate import STATISTICS as GATE_STATISTICS
 
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
 TIS_POLICIES = ("old", "current")  # the policy the weights compare with π_rollout: π_old or π_θ
 AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
+GATE_STATISTICS = ("k3", "kl", "max_abs_log_ratio")  # what rs_batch_gate may test (miles_mis.gate computes them)
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -153,7 +153,7 @@ def _shown(value: Any) -> str:
     return "null" if value is None else getattr(value, "yaml_text", None) or repr(value)
 
 
-def _did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
+def did_you_mean(name: str, candidates: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -167,7 +167,7 @@ def _as_bool(spec: KeySpec, value: Any) -> bool:
 def _as_choice(spec: KeySpec, value: Any) -> str:
     if isinstance(value, str) and value in spec.choices:
         return value
-    hint = _did_you_mean(str(value), spec.choices) if isinstance(value, str) else ""
+    hint = did_you_mean(str(value), spec.choices) if isinstance(value, str) else ""
     raise ValueError(f"{spec.name}={value!r} is invalid{hint}: allowed values are {', '.join(spec.choices)}")
 
 
@@ -299,7 +299,7 @@ def _named_mapping(spec: KeySpec, value: Any, what: str, check, shape: str) -> t
     out = {}
     for name, setting in value.items():
         if name not in spec.choices:
-            raise ValueError(f"{spec.name}: unknown {what} {name!r}{_did_you_mean(str(name), spec.choices)}; "
+            raise ValueError(f"{spec.name}: unknown {what} {name!r}{did_you_mean(str(name), spec.choices)}; "
                              f"allowed {what}s: {', '.join(spec.choices)}")
         out[name] = check(name, setting)
     return tuple(out[name] for name in spec.choices if name in out)
@@ -536,7 +536,7 @@ class MisConfig:
         for key in values:
             if key not in cls.keys():
                 known = cls.keys() + tuple(sorted(HOST_FLAG_KEYS))
-                raise ValueError(f"{source}: unknown key {key!r}{_did_you_mean(str(key), known)}; "
+                raise ValueError(f"{source}: unknown key {key!r}{did_you_mean(str(key), known)}; "
                                  f"allowed keys: {', '.join(cls.keys())} (and the host flags "
                                  f"{', '.join(sorted(HOST_FLAG_KEYS))})")
         return cls._build(values, source)
@@ -583,7 +583,7 @@ class MisConfig:
         for name in attributes:
             if (isinstance(name, str) and name.startswith(("tis_", "rs_")) and name not in cls.keys()
                     and name not in HOST_OWNED_ATTRIBUTES):
-                raise ValueError(f"args: unknown attribute {name!r}{_did_you_mean(name, cls.keys())}; "
+                raise ValueError(f"args: unknown attribute {name!r}{did_you_mean(name, cls.keys())}; "
                                  f"allowed tis_*/rs_* keys: "
                                  f"{', '.join(k for k in cls.keys() if k.startswith(('tis_', 'rs_')))}")
         # unprefixed errors: the host names where the values came from (its config file, --mis-set)
@@ -598,7 +598,7 @@ class MisConfig:
         """
         files = preset_files()
         if name not in files:
-            raise ValueError(f"unknown preset {name!r}{_did_you_mean(name, tuple(files))}; allowed presets: "
+            raise ValueError(f"unknown preset {name!r}{did_you_mean(name, tuple(files))}; allowed presets: "
                              f"{', '.join(sorted(files))}")
         values = load_yaml_mapping(files[name])
         if use_tis is not None and "use_tis" not in values:
@@ -703,6 +703,13 @@ def _check_lag_keys(values: dict[str, Any]) -> None:
                          "lags beyond rs_max_lag whose k3 exceeds it; set rs_max_lag (e.g. 1)")
 
 
+def host_setting(args: Any, name: str) -> Any:
+    """A host setting as given: an attribute of a Namespace, or a key of a mapping used as the config."""
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
 def preset_files() -> dict[str, Path]:
     """name -> YAML file of every shipped preset: the source tree's configs/, else the installed copy."""
     package = Path(__file__).resolve().parent
@@ -735,7 +742,7 @@ def load_yaml_file(path: str | Path) -> Any:
         raise ValueError(f"{path}: cannot read the file (not UTF-8 text: {error.reason} at byte "
                          f"{error.start})") from None
     try:
-        return yaml.load(text, Loader=_strict_loader())
+        return yaml.load(text, Loader=strict_loader())
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -775,7 +782,7 @@ class YamlInt(int):
 _LOADER = None
 
 
-def _strict_loader():
+def strict_loader():
     global _LOADER
     if _LOADER is not None:
         return _LOADER

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-STATISTICS = ("k3", "kl", "max_abs_log_ratio")
+from .config import GATE_STATISTICS as STATISTICS
+
 PARTS = ("sum_k3", "sum_neg_log_ratio", "n_usable", "max_abs_log_ratio")  # what the statistics are made of
 PART_REDUCE = ("sum", "sum", "sum", "max")  # how each part combines over ranks
 

@@ -15,12 +15,13 @@ import array
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import distributed
+from .config import host_setting
 from .layout import QKV_FORMATS, LocalLayout, zigzag_layout
 from .segments import PackedBatch
 
@@ -47,13 +48,6 @@ class PackedInputs:
 
 
 # --------------------------------------------------------------------------- host settings
-def host_setting(args: Any, name: str) -> Any:
-    """A host setting as given: an attribute of a Namespace, or a key of a mapping used as the config."""
-    if isinstance(args, Mapping):
-        return args.get(name)
-    return getattr(args, name, None)
-
-
 def qkv_format_of(args: Any) -> str:
     """The host's ``qkv_format`` ("thd" when not set), checked against the allowed values."""
     value = host_setting(args, "qkv_format") or "thd"
@@ -250,7 +244,7 @@ def pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens,
         shape = ("a 1-D [B+1] tensor of offsets" if name == "cu_seqlens"
                  else "a flat 1-D [N] tensor (the B responses concatenated)")
         kind = {"loss_mask": "masks", "cu_seqlens": "offsets"}.get(name, "log-probs")
-        problem = _tensor_problem(value, device, kind, device_of=train_name,
+        problem = tensor_problem(value, device, kind, device_of=train_name,
                                   one_device="all inputs on one device", shape=shape)
         if problem:
             raise InputError(f"{name} {problem}")
@@ -304,7 +298,7 @@ def _check_packed_exactly(cu_seqlens: Tensor, seq_lengths: Tensor, loss_mask: Te
 def check_pg_loss(pg_loss: Tensor, batch: PackedBatch) -> None:
     """``pg_loss`` is a floating-point [N] tensor on the log-probs' device, one value per local token."""
     num_tokens = batch.train_log_probs.numel()
-    problem = _tensor_problem(pg_loss, batch.train_log_probs.device, "loss")
+    problem = tensor_problem(pg_loss, batch.train_log_probs.device, "loss")
     if problem is None and pg_loss.numel() != num_tokens:
         problem = (f"has shape {tuple(pg_loss.shape)} but the {batch.num_seqs} sequences hold {num_tokens} "
                    f"local tokens: expected shape ({num_tokens},)")
@@ -364,7 +358,7 @@ _REAL = {"log-probs": "log-probs are real", "masks": "masks are real", "loss": "
          "offsets": "offsets are integers"}
 
 
-def _tensor_problem(value: Any, device: Any, kind: str, device_of: str = "sequence 0",
+def tensor_problem(value: Any, device: Any, kind: str, device_of: str = "sequence 0",
                     one_device: str = "every sequence on one device", shape: str = "a 1-D tensor") -> str | None:
     """What is wrong with one per-sequence entry (or one flat tensor of the packed path, or pg_loss), or None.
     ``kind``: "log-probs", "masks", "loss" or "offsets" (what the messages call it)."""
@@ -399,7 +393,7 @@ def _raise_first_bad(lists) -> None:
         first_device[name] = head.device if isinstance(head, Tensor) and not head.is_meta else None
     for i in range(max(len(seq) for _, seq in lists)):
         for name, seq in lists:
-            problem = _tensor_problem(seq[i], first_device[name], "masks" if name == "loss_masks" else "log-probs")
+            problem = tensor_problem(seq[i], first_device[name], "masks" if name == "loss_masks" else "log-probs")
             if problem:
                 raise InputError(f"sequence {i}: {name}[{i}] {problem}", i)
 

@@ -17,17 +17,16 @@ import torch
 from torch import Tensor
 
 from . import correction, distributed, gate, rejections
-from .config import MisConfig
-from .inputs import PackedInputs, host_setting
+from .config import MisConfig, host_setting
 
 
 class PeerReductions:
     """``correction.Reductions`` over this rank's CP group and, for the batch quantities the config takes over it
     (``DpScopes``), its DP group. ``packed``/``config``/``text`` are None on a rank that failed before it had them
-    (it only takes part in ``fail``)."""
+    (it only takes part in ``fail``). ``packed``: the call's ``inputs.PackedInputs``."""
 
     def __init__(self, cp: distributed.Group, dp: distributed.Group, config: MisConfig | None,
-                 packed: PackedInputs | None, text: str):
+                 packed: Any, text: str):
         self.cp, self.dp, self.config, self.packed, self.text = cp, dp, config, packed, text
         self.scopes = dp_scopes(config) if config is not None else DpScopes(False, False, False, False)
         self.exchanges_token_rejections = cp.size > 1

@@ -19,10 +19,10 @@ from torch import Tensor
 
 from . import advantages, backend, batch_inputs, correction, distributed, peers, rollouts, sampling_mask, staleness, versions
 from .segments import PackedBatch
-from .config import MisConfig
-from .inputs import PackedInputs, check_pg_loss, host_setting, long_tensor, pack_flat, pack_sequences, qkv_format_of
-# also importable from here: the contract's error type, and the per-tensor check the tests exercise
-from .inputs import InputError, _tensor_problem  # noqa: F401
+from .config import MisConfig, host_setting
+from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
+# also importable from here: the contract's error type
+from .inputs import InputError  # noqa: F401
 
 
 def compute_mis_weights_with_cp(

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
 from miles_mis.ops import LOG_PROB_BOUND
-from miles_mis.plugin import InputError, _tensor_problem
+from miles_mis.inputs import tensor_problem
+from miles_mis.plugin import InputError
 
 TOKEN_TIS = MisConfig(use_tis=True, tis_upper_bound=10.0)
 PRESETS = ["mis", "token_tis", "seq_tis", "seq_mis", "geo_rs", "k3_rs", "token_icepop", "seq_is_rs"]
@@ -174,7 +175,7 @@ def test_odd_entries_name_the_sequence():
 
 
 def test_another_device_is_named():
-    problem = _tensor_problem(torch.zeros(2), torch.device("cuda", 0), "log-probs")
+    problem = tensor_problem(torch.zeros(2), torch.device("cuda", 0), "log-probs")
     assert problem == "is on cpu but sequence 0 is on cuda:0: every sequence on one device"
 
 

@@ -124,7 +124,7 @@ def parse_mis_set(item: str) -> tuple[str, Any]:
     (so ``1e-4`` is a string as in a file, ``{k3: 0.05}`` a mapping, an empty VALUE null)."""
     import yaml
 
-    from ..config import _strict_loader
+    from ..config import strict_loader
 
     key, sep, text = str(item).partition("=")
     key = key.strip()
@@ -134,7 +134,7 @@ def parse_mis_set(item: str) -> tuple[str, Any]:
         raise ValueError(f"--mis-set {item!r} is invalid: the key before '=' is empty: expected KEY=VALUE "
                          f"({MIS_SET_EXAMPLES})")
     try:
-        return key, yaml.load(text, Loader=_strict_loader())
+        return key, yaml.load(text, Loader=strict_loader())
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or getattr(error, "context", None) or str(error)
         mark = getattr(error, "problem_mark", None)
@@ -159,7 +159,7 @@ def apply_mis_set(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     items = getattr(args, "mis_set", None)
     if not items:
         return
-    from ..config import MisConfig, _did_you_mean
+    from ..config import MisConfig, did_you_mean
 
     parser = parser or build_parser()
     flags = {action.dest for action in parser._actions if action.option_strings}
@@ -170,7 +170,7 @@ def apply_mis_set(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             if key in flags:
                 raise ValueError(f"--mis-set {key}: {key!r} is not a miles_mis config key but the flag "
                                  f"{flag_name(key, parser)}: give that flag instead")
-            raise ValueError(f"--mis-set {key}: unknown key {key!r}{_did_you_mean(key, MisConfig.keys())}; allowed "
+            raise ValueError(f"--mis-set {key}: unknown key {key!r}{did_you_mean(key, MisConfig.keys())}; allowed "
                              f"keys: the miles_mis config keys ({', '.join(MisConfig.keys())})")
         if key in values:
             raise ValueError(f"--mis-set {key} is given twice: give each key once")
@@ -320,9 +320,9 @@ def _flag_item(action: argparse.Action, value: Any, parser: argparse.ArgumentPar
         except (TypeError, ValueError):
             raise ValueError(f"{where}: invalid {type_name} value: {text!r}") from None
     if action.choices is not None and converted not in action.choices:
-        from ..config import _did_you_mean
+        from ..config import did_you_mean
 
-        hint = _did_you_mean(str(converted), tuple(str(c) for c in action.choices))
+        hint = did_you_mean(str(converted), tuple(str(c) for c in action.choices))
         raise ValueError(f"{where}: invalid choice: {converted!r}{hint} (choose from "
                          f"{', '.join(repr(c) for c in action.choices)})")
     check_flag_range(action.dest, converted, where)

@@ -21,8 +21,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .. import advantages, batch_inputs, rollouts, sampling_mask, staleness
-from ..config import MisConfig
-from ..inputs import host_setting
+from ..config import MisConfig, host_setting
 
 ENTRY_POINT = "miles_mis.compute_mis_weights_with_cp"  # the hook the host's loss calls
 OUR_ENTRY_POINTS = (ENTRY_POINT, "miles_mis.compute_mis_weights_fsdp", "miles_mis.plugin.compute_mis_weights_with_cp",
