@@ -19,7 +19,7 @@ Compared on the same inputs, each in its host's native format (that conversion i
 
 list, packed, padded and list I/O are timed in one interleaved pass (the order shuffled every round);
 per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
-after it). The cost of the "where the mismatch lives" location sums (miles_mis.location.local_values, via
+after it). The cost of the "where the mismatch lives" location sums (miles_mis.correction.mismatch_location.local_values, via
 pipeline.local_batch_values) is the default packed call timed with and without them, interleaved in a third
 pass: without = pipeline.local_batch_values replaced by a function returning a zero vector of the same size
 and dtype (restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the
@@ -67,7 +67,7 @@ from op_count import count_aten_ops  # noqa: E402
 
 from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp  # noqa: E402
 from miles_mis.correction import pipeline  # noqa: E402  (its batch-sum stage is swapped out in location_share_ms)
-from miles_mis.location import BUCKET_NAMES, POSITION_EDGES  # noqa: E402
+from miles_mis.correction.mismatch_location import BUCKET_NAMES, POSITION_EDGES  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
                    tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4, tis_batch_normalize=True)
@@ -76,10 +76,10 @@ CLAMP = 20.0
 
 
 def detector_metrics(ell: torch.Tensor, usable: torch.Tensor) -> dict:
-    """The truncation detector's batch values (miles_mis.truncation) of ℓ (0 where not usable), any layout."""
-    from miles_mis import truncation
+    """The truncation detector's batch values (miles_mis.correction.truncated_sampling) of ℓ (0 where not usable), any layout."""
+    from miles_mis.correction import truncated_sampling
 
-    return truncation.metrics(truncation.local_values(ell.reshape(-1), usable.reshape(-1).double(), None), False)
+    return truncated_sampling.metrics(truncated_sampling.local_values(ell.reshape(-1), usable.reshape(-1).double(), None), False)
 
 def make_inputs(num_seqs: int, max_len: int, seed: int = 0, prompt_len: int = 128):
     gen = torch.Generator().manual_seed(seed)
@@ -502,7 +502,7 @@ def backend_costs(repeats: int) -> None:
     recompiles over the shapes, and the aten operations left outside the compiled kernels."""
     from torch._dynamo.utils import counters
 
-    from miles_mis import backend
+    from miles_mis.tensors import backend
 
     compiled_config = _compiled(CONFIG)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis); "
@@ -577,7 +577,7 @@ def device_costs(device: torch.device, repeats: int, json_path: Path | None, sha
     host syncs of one call of each entry point, from the profiler. Printed, and written to ``json_path``."""
     from device_timing import interleaved_device_ms, launches_and_syncs
 
-    from miles_mis import backend
+    from miles_mis.tensors import backend
 
     rows = []
     compiled_config = _compiled(CONFIG)

@@ -40,7 +40,7 @@ from evidence import last_mean, paired_difference, verdict  # noqa: E402
 from lab_async import ALGORITHMS, BASE, PLUGIN, SCHEDULES  # noqa: E402
 from lab_sweep import append_result, read_results  # noqa: E402
 
-from miles_mis import staleness  # noqa: E402
+from miles_mis.correction import staleness  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_gate_selection.jsonl"
 SCHEDULE = "mixed lags 0..3"

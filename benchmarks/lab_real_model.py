@@ -283,7 +283,7 @@ def atlas_table(rows: list[dict], batch_terms: list[dict] = ()) -> str:
 
 def truncation_table(rows: list[dict]) -> str:
     """Per setting: the mismatch, the detector's values and, where the trainer scored over kept sets, their sizes."""
-    from miles_mis import truncation
+    from miles_mis.correction import truncated_sampling
 
     lines = ["| engine setting | k3 | mean \\|Δ log p\\| | ESS | negative ℓ | mean ℓ | mean/std | alarm | kept set: median / "
              "mean / p90 | singletons | B / token | s |", "|" + "---|" * 12]
@@ -292,9 +292,9 @@ def truncation_table(rows: list[dict]) -> str:
                 f"{r['kept_set_singleton_fraction']:.0%} | {r['kept_set_bytes_per_token']:.0f}"
                 if "kept_set_size_median" in r else "— | — | —")
         mean = -r["kl"]  # over every response token, as the detector's mean (all are usable here)
-        alarm = (r["mis_log_ratio_negative_fraction"] >= truncation.NEGATIVE_FRACTION
-                 and r["mis_log_ratio_standardized_mean"] <= -truncation.STANDARDIZED_MEAN
-                 and mean <= -truncation.MEAN_SHIFT)  # the current rule, from the row's own values
+        alarm = (r["mis_log_ratio_negative_fraction"] >= truncated_sampling.NEGATIVE_FRACTION
+                 and r["mis_log_ratio_standardized_mean"] <= -truncated_sampling.STANDARDIZED_MEAN
+                 and mean <= -truncated_sampling.MEAN_SHIFT)  # the current rule, from the row's own values
         lines.append(f"| {r['name']} | {r['k3']:.2e} | {r['mean_abs_log_ratio']:.4f} | {r['ess']:.4f} | "
                      f"{r['mis_log_ratio_negative_fraction']:.3f} | {mean:+.2e} | "
                      f"{r['mis_log_ratio_standardized_mean']:+.3f} | {int(alarm)} | {kept} | {r['seconds']:.0f} |")

@@ -32,26 +32,26 @@ def _default_configs_dir() -> Path:
 
 
 def check_config(path: str, use_tis: bool | None) -> int:
-    from . import host
+    from . import reference_host
     from .config import HOST_FLAG_KEYS, load_yaml_mapping
 
     try:
         values = load_yaml_mapping(path)
         cfg = MisConfig.from_dict(values, source=path)
         # host flag keys: converted and checked as the host's --custom-config-path does it
-        flags = host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
+        flags = reference_host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
         if use_tis is not None and "use_tis" not in values:
             cfg = dataclasses.replace(cfg, use_tis=use_tis)
         # the flag combinations the host refuses (a file that sets use_rollout_logprobs with use_tis, ...), as the
         # host sees them: its defaults, the file's keys, and this plugin as the correction function
-        args = host.build_parser().parse_args([])
+        args = reference_host.build_parser().parse_args([])
         # a host that runs tis_policy: current passes the current policy (ours with --pass-current-log-probs)
         vars(args).update(values, **flags, custom_config_path=path, use_tis=cfg.use_tis)
         if "pass_current_log_probs" not in values:
             args.pass_current_log_probs = cfg.tis_policy == "current"
         args.custom_tis_function_path = args.custom_tis_function_path or "miles_mis.compute_mis_weights_with_cp"
         try:
-            host.validate_args(args)
+            reference_host.validate_args(args)
         except ValueError as error:
             raise ValueError(str(error) if str(error).startswith(path) else f"{path}: {error}") from None
     except ValueError as error:

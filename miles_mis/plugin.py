@@ -1,9 +1,9 @@
 """The miles adapter: the entry points a miles host loads with ``--custom-tis-function-path``.
 
 Each entry point takes what the host passes (a Namespace or ``MisConfig``, per-sequence lists or flat packed
-tensors), has ``miles_mis.inputs`` validate it and pack this rank's tokens into one ``PackedBatch``, runs the
+tensors), has ``miles_mis.inputs.packing`` validate it and pack this rank's tokens into one ``PackedBatch``, runs the
 pure core, and, under context parallelism, exchanges the per-sequence table over the CP group
-(``miles_mis.peers`` orchestrates the call with its CP and DP peers, ``miles_mis.distributed`` holds the
+(``miles_mis.parallel.peers`` orchestrates the call with its CP and DP peers, ``miles_mis.parallel.distributed`` holds the
 collectives); below these modules nothing sees Namespaces or lists. Hosts that
 already hold packed tokens (THD, padding removed) call ``compute_mis_weights_packed``, which takes the flat
 tensors and ``cu_seqlens`` without lists. The host contract is in docs/contract.md; the CP layout in docs/cp.md.
@@ -17,12 +17,16 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import advantages, backend, batch_inputs, correction, distributed, peers, rollouts, sampling_mask, staleness, versions
-from .segments import PackedBatch
+from .inputs import advantages, adapter_inputs, rollouts, sampling_mask, versions
+from .tensors import backend
+from . import correction
+from .parallel import distributed, peers
+from .correction import staleness
+from .tensors.packed_batch import PackedBatch
 from .config import MisConfig, host_setting
-from .inputs import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
+from .inputs.packing import PackedInputs, check_pg_loss, long_tensor, pack_flat, pack_sequences, qkv_format_of
 # also importable from here: the contract's error type
-from .inputs import InputError  # noqa: F401
+from .inputs.packing import InputError  # noqa: F401
 
 
 def compute_mis_weights_with_cp(
@@ -47,7 +51,7 @@ def compute_mis_weights_with_cp(
     ``current_weight_version`` (docs/staleness.md), and ``advantages`` (per sequence in ``train_log_probs``' layout,
     or flat; read by the directional ``rs_divergence`` options), and the engine's sampling masks as the hosts carry
     them (``rollout_sampling_mask_offsets``, ``rollout_top_p_token_offsets`` or ``sampling_mask_sizes``, per sequence
-    over the whole response; miles_mis.sampling_mask). Other unknown kwargs are ignored. Any failure on any CP rank
+    over the whole response; miles_mis.inputs.sampling_mask). Other unknown kwargs are ignored. Any failure on any CP rank
     (bad config, bad inputs) raises on every rank of the group (docs/reliability.md).
     """
     cp = distributed.resolve_cp_group(parallel_state)  # without it there is nobody to agree with
@@ -148,7 +152,7 @@ def _train_name(config: MisConfig) -> str:
 
 def _policy_log_probs(config: MisConfig, train_log_probs: Any, kwargs: dict) -> Any:
     """The per-sequence log-probs the ratio compares with π_rollout: ``train_log_probs`` (π_old), or with
-    ``tis_policy: current`` the host's current-policy log-probs, detached (``miles_mis.versions``)."""
+    ``tis_policy: current`` the host's current-policy log-probs, detached (``miles_mis.inputs.versions``)."""
     if config.tis_policy != "current":
         return train_log_probs
     current = versions.current_policy(kwargs)
@@ -157,9 +161,9 @@ def _policy_log_probs(config: MisConfig, train_log_probs: Any, kwargs: dict) -> 
 
 
 def _with_optional_inputs(packed: PackedInputs, config: MisConfig, kwargs: dict) -> PackedInputs:
-    """``packed`` with each sequence's lag (``miles_mis.versions``) when the host passes them: in the batch, and
+    """``packed`` with each sequence's lag (``miles_mis.inputs.versions``) when the host passes them: in the batch, and
     under CP in the length table the exchange compares (so the ranks' lags must agree, sequence by sequence); and
-    with the advantages' signs when the config reads them (``miles_mis.advantages``)."""
+    with the advantages' signs when the config reads them (``miles_mis.inputs.advantages``)."""
     batch = sampling_mask.with_sizes(_batch_with_optional_inputs(packed.batch, config, kwargs), kwargs,
                                      packed.response_lengths, packed.local_positions)
     batch = _with_rollouts(batch, kwargs, lambda: _full_mask_sums(packed))
@@ -184,7 +188,7 @@ def _full_mask_sums(packed: PackedInputs) -> Tensor:
 
 
 def _with_rollouts(batch: PackedBatch, kwargs: dict, full_mask_sums: Callable[[], Tensor]) -> PackedBatch:
-    """``batch`` with the host's split rollouts (``miles_mis.rollouts``) when it passes ``rollout_ids``;
+    """``batch`` with the host's split rollouts (``miles_mis.inputs.rollouts``) when it passes ``rollout_ids``;
     ``full_mask_sums`` is computed only then."""
     if not rollouts.given(kwargs):
         return batch
@@ -193,9 +197,9 @@ def _with_rollouts(batch: PackedBatch, kwargs: dict, full_mask_sums: Callable[[]
 
 
 def _batch_with_optional_inputs(batch: PackedBatch, config: MisConfig, kwargs: dict) -> PackedBatch:
-    """``batch`` with the host's lags and their mean (``miles_mis.versions``; unchanged when it passes none, an error
+    """``batch`` with the host's lags and their mean (``miles_mis.inputs.versions``; unchanged when it passes none, an error
     when the config needs them: ``staleness.require_lags``) and the advantages' signs the config reads
-    (``miles_mis.advantages``)."""
+    (``miles_mis.inputs.advantages``)."""
     batch = advantages.with_advantages(batch, config, kwargs)
     values = versions.lag_list(kwargs, batch.num_seqs)
     staleness.require_lags(config, values is not None)
@@ -275,9 +279,9 @@ def with_policy_metric(result: correction.Correction, args: Any, config: MisConf
 def _prepare(args: Any, cp: distributed.Group, pg_loss: Tensor, inputs: tuple, qkv_format: str | None,
              extra: dict) -> tuple[MisConfig, PackedInputs, str]:
     """The config, this rank's validated tokens and the call's settings text (``config_text``): everything before
-    the first exchange. The inputs a host adapter provides (``miles_mis.batch_inputs``) join ``extra`` here, inside
+    the first exchange. The inputs a host adapter provides (``miles_mis.inputs.adapter_inputs``) join ``extra`` here, inside
     the agreement."""
-    extra = batch_inputs.with_provided(extra)
+    extra = adapter_inputs.with_provided(extra)
     config = MisConfig.from_args(args)
     qkv_format = qkv_format or qkv_format_of(args)
     train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, max_seq_lens = inputs

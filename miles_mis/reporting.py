@@ -16,7 +16,7 @@ from torch import Tensor
 def reduce_metrics(metrics: Mapping[str, Tensor], loss_masks: Sequence[Tensor], *,
                    per_token: bool = False) -> dict[str, float]:
     """The reference host's reducer (``host.Reducer``) divided by the sequence (token) count: a mean."""
-    from .host import Reducer
+    from .reference_host import Reducer
 
     lengths = [int(m.numel()) for m in loss_masks]
     if not lengths:

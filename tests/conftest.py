@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cpu")
 
 
-# MILES_MIS_BACKEND=compiled runs every config built in the tests on the compiled backend (miles_mis.backend): then
+# MILES_MIS_BACKEND=compiled runs every config built in the tests on the compiled backend (miles_mis.tensors.backend): then
 # every config compiles (dynamo's limit of 8 per kernel would run the rest eager), and the run ends with the count of
 # kernels that fell back to eager (0 expected)
 if os.environ.get("MILES_MIS_BACKEND") == "compiled":
@@ -25,7 +25,7 @@ if os.environ.get("MILES_MIS_BACKEND") == "compiled":
 
 def pytest_terminal_summary(terminalreporter):
     if os.environ.get("MILES_MIS_BACKEND") == "compiled":
-        from miles_mis import backend
+        from miles_mis.tensors import backend
 
         terminalreporter.write_line(f"compiled backend: {len(backend.FALLBACKS)} fallbacks to eager in this process"
                                     + "".join(f"\n  {line}" for line in backend.FALLBACKS))

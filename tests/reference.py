@@ -165,9 +165,9 @@ def divergence_reference(cfg, sequences, put):
 
 
 def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, float]:
-    """The unreplayed-truncation detector (miles_mis/truncation.py) over the usable tokens, written out; with
+    """The unreplayed-truncation detector (miles_mis/truncated_sampling.py) over the usable tokens, written out; with
     ``sizes`` (each usable token's kept-set size, 0 = not recorded) the sampling-mask metrics too."""
-    from miles_mis import truncation
+    from miles_mis.correction import truncated_sampling
 
     ells = [t["ell"] for t in usable]
     nonzero = [e for e in ells if e != 0.0]
@@ -178,10 +178,10 @@ def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, f
     standardized = mean / math.sqrt(variance) if variance > 0 else 0.0
     out = {"log_ratio_negative_fraction": negative, "log_ratio_standardized_mean": standardized,
            "log_ratio_mean": mean,
-           "unreplayed_truncation": float(negative >= truncation.NEGATIVE_FRACTION
-                                          and standardized <= -truncation.STANDARDIZED_MEAN
-                                          and mean <= -truncation.MEAN_SHIFT
-                                          and len(nonzero) >= truncation.MIN_TOKENS)}
+           "unreplayed_truncation": float(negative >= truncated_sampling.NEGATIVE_FRACTION
+                                          and standardized <= -truncated_sampling.STANDARDIZED_MEAN
+                                          and mean <= -truncated_sampling.MEAN_SHIFT
+                                          and len(nonzero) >= truncated_sampling.MIN_TOKENS)}
     if sizes is not None:
         recorded = [s for s in sizes if s >= 1]
         out.update({"sampling_mask_size_mean": sum(recorded) / len(recorded) if recorded else 0.0,

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from reference import auto_upper_bound
 from test_reference_equivalence import assert_matches_reference
 
-from miles_mis import MisConfig, adaptive, compute_mis_weights, compute_mis_weights_packed
+from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed
+from miles_mis.correction import adaptive
 
 
 def _packed(config, log_ratios, lengths):
@@ -160,18 +161,18 @@ def test_config_accepts_and_round_trips():
 
 
 def test_through_the_host_from_a_yaml_file(tmp_path):
-    """host.policy_loss with the plugin and a YAML that asks for the adaptive bound: the decoupled PPO gradient
+    """reference_host.policy_loss with the plugin and a YAML that asks for the adaptive bound: the decoupled PPO gradient
     is the PPO gradient weighted by min(ρ, U), U the reference's choice over the five tokens."""
     from test_host import ADVS, expected_ppo_grad, grads, make_batch
 
-    from miles_mis import host
+    from miles_mis import reference_host
     from miles_mis.analyze.report import describe_config
 
     config = tmp_path / "auto.yaml"
     config.write_text("tis_upper_bound: auto\ntis_auto_bounds: [1.0, 3.0]\ntis_auto_target_ess: 0.8\n")
     rollout_gaps = [0.3, -0.2, 1.0, 0.0, -1.5]  # π_old / π_rollout = exp(gap)
     batch, current = make_batch([[0.0] * 5], [rollout_gaps], [ADVS])
-    args = host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
                             "--custom-config-path", str(config)])
     _, metrics, (grad,) = grads(args, batch, current)
     upper, _, _ = auto_upper_bound([(math.exp(g), 1) for g in rollout_gaps], (1.0, 3.0), 0.8)

@@ -1,4 +1,4 @@
-"""The compiled backend (miles_mis.backend, ``kernel_backend: compiled``): the same decisions as eager on every case,
+"""The compiled backend (miles_mis.tensors.backend, ``kernel_backend: compiled``): the same decisions as eager on every case,
 values within a few ulps, no graph break in a compiled kernel, no recompile for a new batch size, the same results
 on every CP rank as cp = 1, and an eager fallback in one line without a compiler."""
 
@@ -16,7 +16,8 @@ import torch
 from cp_harness import cp_state, make_full_batch, shard, spawn
 from test_cp import check_case
 
-from miles_mis import MisConfig, backend, compute_mis_weights_packed, compute_mis_weights_with_cp, ops
+from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp
+from miles_mis.tensors import backend, ops
 from miles_mis.plugin import config_text
 
 # weights and the loss: within this many ulps of eager (|Δ| ≤ ULPS·eps·|x|); a metric: ULPS ulps of its largest |value|

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
-from miles_mis.ops import LOG_PROB_BOUND
-from miles_mis.inputs import tensor_problem
+from miles_mis.tensors.ops import LOG_PROB_BOUND
+from miles_mis.inputs.packing import tensor_problem
 from miles_mis.plugin import InputError
 
 TOKEN_TIS = MisConfig(use_tis=True, tis_upper_bound=10.0)
@@ -41,7 +41,7 @@ def test_mask_dtype_and_values_survive(dtype):
 def test_host_loss_with_a_half_mask_is_not_doubled():
     # miles' reducer: sum(loss * modified_mask) / sum(original_mask). With nothing rejected, the plugin
     # must not change the numerator: 0.5 must stay 0.5 (it came back as 1.0 before).
-    from miles_mis.host import Reducer
+    from miles_mis.reference_host import Reducer
 
     masks = [torch.tensor([0.5, 0.5, 1.0])]
     _, out, _ = call(TOKEN_TIS, [torch.full((3,), -1.0)], [torch.full((3,), -1.0)], masks)

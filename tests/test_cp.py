@@ -152,8 +152,8 @@ def count_collectives_worker(rank, size):
     O(B) table (bytes), with the token-level rejections when a rank has one: the cheaper of a bit per local
     token and an int32 index per rejection, rounded up to 8 bytes, sized by the largest rank."""
     from miles_mis.correction import TableSchema
-    from miles_mis.distributed import HEADER_BYTES
-    from miles_mis.layout import zigzag_layout
+    from miles_mis.parallel.distributed import HEADER_BYTES
+    from miles_mis.parallel.cp_layout import zigzag_layout
 
     calls = []
     original = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
@@ -241,7 +241,7 @@ def host_worker(rank, size):
     """The reference host under CP: local losses summed over ranks and local gradients equal cp = 1, with the
     loss denominators of the input masks and (as miles' reducer without rollout_mask_sums) of the WHOLE returned
     masks, which only holds when every rank returns the same masks."""
-    from miles_mis import host
+    from miles_mis import reference_host
 
     full, _ = make_full_batch(seed=11, num_seqs=7)
     gen = torch.Generator().manual_seed(5)
@@ -259,7 +259,7 @@ def host_worker(rank, size):
              (plugin + ["--loss-denominator", "returned-mask", "--calculate-per-token-loss"], token_rs),
              (plugin + ["--loss-denominator", "returned-mask", "--qkv-format", "bshd"], token_rs)]
     for argv, settings in cases:
-        args = host.parse_args(argv)
+        args = reference_host.parse_args(argv)
         for key, value in settings.items():
             setattr(args, key, value)
         fmt = args.qkv_format
@@ -270,7 +270,7 @@ def host_worker(rank, size):
             batch = dict(full, advantages=[pick(i, a) for i, a in enumerate(advantages)], max_seq_lens=spans,
                          log_probs=[pick(i, t) for i, t in enumerate(full["train_log_probs"])],
                          rollout_log_probs=[pick(i, t) for i, t in enumerate(full["rollout_log_probs"])])
-            loss, metrics = host.policy_loss(args, batch, current, parallel_state=ps)
+            loss, metrics = reference_host.policy_loss(args, batch, current, parallel_state=ps)
             loss.backward()
             return loss.detach(), metrics, [c.grad for c in current]
 

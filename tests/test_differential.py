@@ -39,9 +39,9 @@ import torch.distributed as dist
 from cp_harness import cp_state, local_positions, shard, spawn
 
 from miles_mis import (MisConfig, compute_mis_weights, compute_mis_weights_fsdp, compute_mis_weights_packed,
-                       compute_mis_weights_with_cp, host)
+                       compute_mis_weights_with_cp, reference_host)
 from miles_mis.config import DIVERGENCE_OPTIONS, LEVELS, TIS_MODES
-from miles_mis.gate import STATISTICS
+from miles_mis.correction.gate import STATISTICS
 
 # the environment may override both for a longer soak run (the default is sized for ~1 minute on 2 cores)
 SEED = int(os.environ.get("MILES_MIS_DIFFERENTIAL_SEED", 20_261_130))
@@ -485,7 +485,7 @@ _BASE_ARGS: dict = {}
 def host_args(case, path: str, denominator: str | None):
     key = (path, case.fmt)
     if key not in _BASE_ARGS:
-        _BASE_ARGS[key] = host.parse_args(host_argv(path, case.fmt))
+        _BASE_ARGS[key] = reference_host.parse_args(host_argv(path, case.fmt))
     args = copy.copy(_BASE_ARGS[key])
     for name, value in case.config.to_dict().items():  # the YAML keys, as miles sets them on args
         setattr(args, name, value)
@@ -496,7 +496,7 @@ def host_args(case, path: str, denominator: str | None):
 
 
 def run_host(case, args, ps, owned=None):
-    """host.policy_loss on the full batch (owned None) or this rank's shards: (loss, metrics, flat grads)."""
+    """reference_host.policy_loss on the full batch (owned None) or this rank's shards: (loss, metrics, flat grads)."""
     full, extras = case.full, case.extras
     pick = (lambda i, t: t) if owned is None else (lambda i, t: t[owned[i]])  # noqa: E731
     current = [pick(i, c).clone().requires_grad_() for i, c in enumerate(extras["current"])]
@@ -507,7 +507,7 @@ def run_host(case, args, ps, owned=None):
                  rollout_log_probs=[pick(i, t) for i, t in enumerate(full["rollout_log_probs"])],
                  **{key: full[key] for key in ("version_lags", "weight_versions", "current_weight_version")
                     if key in full})
-    loss, metrics = host.policy_loss(args, batch, current, parallel_state=ps)
+    loss, metrics = reference_host.policy_loss(args, batch, current, parallel_state=ps)
     if loss.requires_grad:
         loss.backward()
     grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in current]

@@ -207,7 +207,7 @@ def test_binary_tv_and_kl_hand_case_where_a_ratio_mask_disagrees():
 
 
 def test_probability_estimators_are_precise_near_one_and_never_nan():
-    from miles_mis.divergence import probability_estimators
+    from miles_mis.correction.divergence import probability_estimators
 
     log_p = torch.tensor([-1e-12, 0.0, 0.0, -1e-3, math.log(1e-30)], dtype=torch.float64)
     log_q = torch.tensor([-2e-12, 0.0, -0.1, -1e-3, math.log(2e-30)], dtype=torch.float64)

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from cp_harness import cp_state, free_port, make_full_batch, shard
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_with_cp
-from miles_mis.distributed import HEADER_BYTES
+from miles_mis.parallel.distributed import HEADER_BYTES
 
 CASE_TIMEOUT = 30.0  # seconds without progress before the watchdog declares a hang
 FAST = 5.0  # every case must end within this on every rank (they take milliseconds)
@@ -131,9 +131,9 @@ def case_lengths_disagree(rank, size):
 
 
 def _host_call(rank, size, argv=(), mutate=None, change_batch=None):
-    from miles_mis import host
+    from miles_mis import reference_host
 
-    args = host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
                             *argv])
     if mutate:
         mutate(args)
@@ -144,7 +144,7 @@ def _host_call(rank, size, argv=(), mutate=None, change_batch=None):
     if change_batch:
         change_batch(batch)
     current = [t.clone().requires_grad_() for t in kwargs["train_log_probs"]]
-    return host.policy_loss(args, batch, current, parallel_state=cp_state(rank, size))
+    return reference_host.policy_loss(args, batch, current, parallel_state=cp_state(rank, size))
 
 
 def case_host_bad_batch(rank, size):
@@ -449,7 +449,7 @@ def test_dp_cp_fault_matrix_every_rank_raises(tmp_path):
 
 
 def test_header_is_fixed_size_and_round_trips():
-    from miles_mis import distributed
+    from miles_mis.parallel import distributed
     from miles_mis.plugin import InputError
 
     blob = distributed.encode_header(error=InputError("sequence 4: bad" + "é" * 400, 4), batch_size=7, table_schema=12,

@@ -9,7 +9,7 @@ from conftest import call_plugin as call
 from conftest import random_batch
 
 from miles_mis import MisConfig, compute_mis_weights
-from miles_mis.location import BUCKET_NAMES
+from miles_mis.correction.mismatch_location import BUCKET_NAMES
 
 
 def engine_batch(noise, seed=0, num=6, length=30, bias=0.0):

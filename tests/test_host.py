@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from miles_mis import host
+from miles_mis import reference_host
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
@@ -15,7 +15,7 @@ def args_for(*flags, config=None, repo_root=None):
     argv = list(flags)
     if config:
         argv += ["--custom-config-path", str(repo_root / "configs" / config)]
-    return host.parse_args(argv)
+    return reference_host.parse_args(argv)
 
 
 def make_batch(log_ratios_old, log_ratios_rollout, advantages, masks=None, seed=0):
@@ -33,7 +33,7 @@ def make_batch(log_ratios_old, log_ratios_rollout, advantages, masks=None, seed=
 
 
 def grads(args, batch, current):
-    loss, metrics = host.policy_loss(args, batch, current)
+    loss, metrics = reference_host.policy_loss(args, batch, current)
     for c in current:
         c.grad = None
     loss.backward()
@@ -59,7 +59,7 @@ def expected_ppo_grad(ratios, advantages, n, eps=0.2, dual=None):
 
 def test_standard_ppo_gradient_matches_analytic():
     batch, current = make_batch([GAPS], [[0.0] * 5], [ADVS])
-    loss, metrics, (grad,) = grads(host.parse_args([]), batch, current)
+    loss, metrics, (grad,) = grads(reference_host.parse_args([]), batch, current)
     ratios = [math.exp(g) for g in GAPS]
     torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5)))
     expected_loss = sum(max(-r * a, -min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, ADVS)) / 5
@@ -72,22 +72,22 @@ def test_standard_ppo_gradient_matches_analytic():
 
 def test_dual_clip_and_asymmetric_clip_gradients():
     batch, current = make_batch([GAPS], [[0.0] * 5], [ADVS])
-    _, _, (grad,) = grads(host.parse_args(["--eps-clip-c", "1.3"]), batch, current)
+    _, _, (grad,) = grads(reference_host.parse_args(["--eps-clip-c", "1.3"]), batch, current)
     ratios = [math.exp(g) for g in GAPS]
     torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5, dual=1.3)))
-    _, _, (grad,) = grads(host.parse_args(["--eps-clip-high", "0.6"]), batch, current)
+    _, _, (grad,) = grads(reference_host.parse_args(["--eps-clip-high", "0.6"]), batch, current)
     # with 1 + ε_high = 1.6, token 1 (r = 1.5, A > 0) is no longer clipped
     assert grad[1].item() == pytest.approx(-1.5 / 5, rel=1e-5)
 
 
 def test_bypass_uses_rollout_log_probs_and_equals_standard_when_old_is_rollout():
     batch, current = make_batch([[0.0] * 5], [GAPS], [ADVS])
-    _, _, (grad,) = grads(host.parse_args(["--use-rollout-logprobs"]), batch, current)
+    _, _, (grad,) = grads(reference_host.parse_args(["--use-rollout-logprobs"]), batch, current)
     ratios = [math.exp(g) for g in GAPS]  # π_θ/π_rollout
     torch.testing.assert_close(grad, torch.tensor(expected_ppo_grad(ratios, ADVS, 5)))
     same, current2 = make_batch([GAPS], [GAPS], [ADVS])
-    loss_std, _, g_std = grads(host.parse_args([]), same, current2)
-    loss_byp, _, g_byp = grads(host.parse_args(["--use-rollout-logprobs"]), same, current2)
+    loss_std, _, g_std = grads(reference_host.parse_args([]), same, current2)
+    loss_byp, _, g_byp = grads(reference_host.parse_args(["--use-rollout-logprobs"]), same, current2)
     assert loss_std.item() == pytest.approx(loss_byp.item())
     torch.testing.assert_close(g_std, g_byp)
 
@@ -108,7 +108,7 @@ def test_decoupled_gradient_is_weighted_ppo_gradient(repo_root):
 
 def test_decoupled_equals_standard_when_old_is_rollout(repo_root):
     batch, current = make_batch([GAPS], [GAPS], [ADVS])
-    loss_std, m_std, g_std = grads(host.parse_args([]), batch, current)
+    loss_std, m_std, g_std = grads(reference_host.parse_args([]), batch, current)
     args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="mis.yaml", repo_root=repo_root)
     loss_dec, m_dec, g_dec = grads(args, batch, current)
     assert loss_std.item() == pytest.approx(loss_dec.item(), rel=1e-6)
@@ -129,14 +129,14 @@ def test_reinforce_with_is_gradient(repo_root):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["pg_clipfrac"].item() == 0.0
     # bypass REINFORCE: w = π_θ/π_rollout within the built-in bounds [tis_clip_low, tis_clip], no PPO clipping
-    _, _, (grad,) = grads(host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"]), batch, current)
+    _, _, (grad,) = grads(reference_host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"]), batch, current)
     weights = [min(math.exp(r), 2.0) for r in rollout_gaps]
     torch.testing.assert_close(grad, torch.tensor([-a * w / 5 for a, w in zip(ADVS, weights)]))
 
 
 def test_builtin_vanilla_tis_and_metrics():
     batch, current = make_batch([[0.0, 0.0]], [[math.log(3.0), -0.5]], [[1.0, 1.0]])
-    loss, metrics, (grad,) = grads(host.parse_args(["--use-tis"]), batch, current)
+    loss, metrics, (grad,) = grads(reference_host.parse_args(["--use-tis"]), batch, current)
     # w = clamp(π_old/π_rollout, 0, 2) = [2, e^-0.5]; standard-PPO gradient at r = 1 is −A/n
     torch.testing.assert_close(grad, torch.tensor([-2.0 / 2, -math.exp(-0.5) / 2]))
     assert metrics["tis"].item() == pytest.approx((3.0 + math.exp(-0.5)) / 2, rel=1e-5)
@@ -163,14 +163,14 @@ def test_rejection_rebuilds_numerator_but_keeps_original_denominator(repo_root):
 
 def test_per_token_loss_sums_tokens():
     batch, current = make_batch([[0.0] * 3, [0.0] * 2], [[0.0] * 3, [0.0] * 2], [[1.0] * 3, [2.0] * 2])
-    loss, _, (g0, g1) = grads(host.parse_args(["--calculate-per-token-loss"]), batch, current)
+    loss, _, (g0, g1) = grads(reference_host.parse_args(["--calculate-per-token-loss"]), batch, current)
     assert loss.item() == pytest.approx(-(3 * 1.0 + 2 * 2.0))
     torch.testing.assert_close(g1, torch.tensor([-2.0, -2.0]))
 
 
 def test_nan_advantages_are_zeroed():
     batch, current = make_batch([[0.0] * 3], [[0.0] * 3], [[1.0, float("nan"), float("inf")]])
-    loss, metrics, (grad,) = grads(host.parse_args([]), batch, current)
+    loss, metrics, (grad,) = grads(reference_host.parse_args([]), batch, current)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     torch.testing.assert_close(grad, torch.tensor([-1.0 / 3, 0.0, 0.0]))
 
@@ -194,7 +194,7 @@ def test_opsm_decides_per_sequence_against_rollout_log_probs():
     # (make_batch takes current − behaviour: the negated gaps)
     batch, current = make_batch([[0.1, 0.1], [-0.1, -0.1], [0.0]], [[-0.1, -0.3], [0.1, 0.1], [-0.5]],
                                 [[-1.0, -1.0], [-1.0, -1.0], [1.0]])
-    args = host.parse_args(["--use-opsm", "--opsm-delta", "0.05"])
+    args = reference_host.parse_args(["--use-opsm", "--opsm-delta", "0.05"])
     loss, metrics, (g0, g1, g2) = grads(args, batch, current)
     assert metrics["opsm_fraction"] == pytest.approx(1 / 3)
     assert g0.abs().sum() == 0 and g1.abs().sum() > 0 and g2.abs().sum() > 0
@@ -202,7 +202,7 @@ def test_opsm_decides_per_sequence_against_rollout_log_probs():
 
 def test_train_rollout_logprob_abs_diff():
     batch, current = make_batch([[0.0, 0.0]], [[0.2, -0.4]], [[1.0, 1.0]])
-    _, metrics = host.policy_loss(host.parse_args([]), batch, current)
+    _, metrics = reference_host.policy_loss(reference_host.parse_args([]), batch, current)
     assert metrics["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.3, rel=1e-5)
 
 
@@ -216,7 +216,7 @@ def test_train_rollout_logprob_abs_diff():
 ])
 def test_flag_validation(argv, words):
     with pytest.raises(ValueError) as info:
-        host.parse_args(argv)
+        reference_host.parse_args(argv)
     for word in words:
         assert word in str(info.value)
 
@@ -225,18 +225,18 @@ def test_yaml_is_merged_before_validation(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("use_tis: true\n")
     with pytest.raises(ValueError, match="mutually exclusive"):
-        host.parse_args(["--use-rollout-logprobs", "--custom-config-path", str(config)])
+        reference_host.parse_args(["--use-rollout-logprobs", "--custom-config-path", str(config)])
     config.write_text("tis_mode: trunc\n")
     with pytest.raises(ValueError, match="did you mean 'truncate'"):
-        host.parse_args(["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)])
+        reference_host.parse_args(["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)])
 
 
 def test_reinforce_bypass_is_allowed_and_needs_rollout_log_probs():
-    args = host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"])
+    args = reference_host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"])
     batch, current = make_batch([[0.0]], [[0.0]], [[1.0]])
     batch["rollout_log_probs"] = None
     with pytest.raises(ValueError, match="rollout_log_probs"):
-        host.policy_loss(args, batch, current)
+        reference_host.policy_loss(args, batch, current)
 
 
 @pytest.mark.parametrize("argv", [["--use-tis"], ["--loss-type", "reinforce", "--use-rollout-logprobs"]])
@@ -245,7 +245,7 @@ def test_nan_rollout_log_prob_does_not_poison_the_loss(argv):
                                 masks=[[1.0, 1.0, 0.0]])
     batch["rollout_log_probs"][0][2] = float("nan")  # on an untrained token
     batch["rollout_log_probs"][0][1] = float("-inf")  # on a trained token: weight at the clip bound
-    loss, metrics, (grad,) = grads(host.parse_args(argv), batch, current)
+    loss, metrics, (grad,) = grads(reference_host.parse_args(argv), batch, current)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
 
@@ -254,7 +254,7 @@ def test_metrics_only_preset_keeps_the_plugin_called_under_use_tis(repo_root):
     args = args_for("--use-tis", "--custom-tis-function-path", PLUGIN, config="metrics_only.yaml", repo_root=repo_root)
     assert args.use_tis is False and args.get_mismatch_metrics is True
     batch, current = make_batch([[0.0, 0.1]], [[0.2, -0.1]], [[1.0, -1.0]])
-    _, metrics = host.policy_loss(args, batch, current)
+    _, metrics = reference_host.policy_loss(args, batch, current)
     assert "mis_kl" in metrics and "mis_tis_weight_before_bound" not in metrics
 
 
@@ -264,7 +264,7 @@ def test_reinforce_with_the_current_policy_weights_by_pi_theta_over_pi_rollout(t
     w_t = min(π_θ/π_rollout, U), detached, so d loss / d log π_θ = −A·w / n: the policy gradient at θ itself."""
     config = tmp_path / "mis.yaml"
     config.write_text("tis_policy: current\ntis_upper_bound: 1.5\n")
-    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
+    args = reference_host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
                             "--custom-config-path", str(config), "--pass-current-log-probs"])
     gaps_old, gaps_rollout, advantages = [0.3, -0.2, 0.0], [0.1, 0.6, -0.4], [1.0, -1.0, 2.0]
     batch, current = make_batch([gaps_old], [gaps_rollout], [advantages])
@@ -273,7 +273,7 @@ def test_reinforce_with_the_current_policy_weights_by_pi_theta_over_pi_rollout(t
     assert grad.tolist() == pytest.approx([-a * w / 3 for a, w in zip(advantages, weights)], rel=1e-5)
     # tis_policy: old weighs by π_old/π_rollout = exp(rollout gap − old gap) instead
     config.write_text("tis_upper_bound: 1.5\n")
-    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
+    args = reference_host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", PLUGIN,
                             "--custom-config-path", str(config)])
     _, _, (grad,) = grads(args, *make_batch([gaps_old], [gaps_rollout], [advantages]))
     weights = [min(math.exp(r - o), 1.5) for o, r in zip(gaps_old, gaps_rollout)]
@@ -285,10 +285,10 @@ def test_current_policy_flag_is_checked_at_start_up(tmp_path, capsys):
     config.write_text("tis_policy: current\n")
     flags = ["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)]
     with pytest.raises(ValueError, match="tis_policy: current needs --pass-current-log-probs"):
-        host.parse_args(flags)
-    host.parse_args(flags + ["--pass-current-log-probs"])  # PPO: valid, with a warning about double counting
+        reference_host.parse_args(flags)
+    reference_host.parse_args(flags + ["--pass-current-log-probs"])  # PPO: valid, with a warning about double counting
     assert "count it twice" in capsys.readouterr().err
-    host.parse_args(flags + ["--pass-current-log-probs", "--loss-type", "reinforce"])
+    reference_host.parse_args(flags + ["--pass-current-log-probs", "--loss-type", "reinforce"])
     assert "count it twice" not in capsys.readouterr().err
 
 
@@ -296,17 +296,17 @@ def test_current_policy_flag_is_checked_at_start_up(tmp_path, capsys):
 def test_the_host_hands_the_batch_lags_to_the_plugin(entry, tmp_path):
     config = tmp_path / "mis.yaml"
     config.write_text("rs_max_lag: 1\n")
-    args = host.parse_args(["--use-tis", "--custom-tis-function-path", entry, "--custom-config-path", str(config)])
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", entry, "--custom-config-path", str(config)])
     batch, current = make_batch([[0.1, 0.0], [0.0], [0.2, 0.1]], [[0.0, 0.1], [0.3], [0.0, 0.0]],
                                 [[1.0, 1.0], [-1.0], [2.0, 2.0]])
     for lags in ({"version_lags": [0, 2, 1]}, {"weight_versions": [["5"], ["3", "4"], ["4"]],
                                                  "current_weight_version": 5}):
-        _, metrics = host.policy_loss(args, dict(batch, **lags), current)
+        _, metrics = reference_host.policy_loss(args, dict(batch, **lags), current)
         # the host's reducer: the mean lag over sequences (per-sequence value), 1 of 3 sequences stale
         assert float(metrics["mis_version_lag"]) == pytest.approx(0 + 2 + 1)
         assert float(metrics["mis_rs_stale_seq_fraction"]) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="rs_max_lag needs each sequence's lag"):
-        host.policy_loss(args, batch, current)
+        reference_host.policy_loss(args, batch, current)
 
 
 @pytest.mark.parametrize("entry", [PLUGIN, "miles_mis.compute_mis_weights_packed"])
@@ -315,7 +315,7 @@ def test_prime_rl_default_on_the_host_masks_by_the_advantage_sign(entry, tmp_pat
     [−0.2, 0.2] in the direction of their update (the host hands its advantages to the plugin)."""
     config = tmp_path / "mis.yaml"
     config.write_text("tis_policy: current\nrs_divergence: {token_dtv: [-0.2, 0.2]}\ntis_upper_bound: 485165195.4\n")
-    args = host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", entry,
+    args = reference_host.parse_args(["--use-tis", "--loss-type", "reinforce", "--custom-tis-function-path", entry,
                             "--custom-config-path", str(config), "--pass-current-log-probs"])
     gaps_rollout, advantages = [1.0, -1.0, 1.0, -1.0, 0.05, 1.5], [1.0, -1.0, -1.0, 1.0, 1.0, 0.0]
     batch, current = make_batch([[0.0] * 6], [gaps_rollout], [advantages], seed=3)
@@ -345,16 +345,16 @@ def test_a_correction_function_with_an_explicit_signature_gets_only_what_it_name
     batch = dict(batch, version_lags=[2])
     losses = {}
     for name in ("scaled", "identity"):
-        args = host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:{name}"])
-        losses[name], metrics = host.policy_loss(args, batch, current)
+        args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:{name}"])
+        losses[name], metrics = reference_host.policy_loss(args, batch, current)
     assert float(losses["scaled"].detach()) == pytest.approx(0.5 * float(losses["identity"].detach()), rel=1e-6)
     assert float(metrics.get("seen_lag", 0.0)) == 0.0 and "ois" in metrics  # identity returns no metric
-    args = host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:scaled"])
-    assert float(host.policy_loss(args, batch, current)[1]["seen_lag"]) == pytest.approx(2.0)  # the lag it named
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:scaled"])
+    assert float(reference_host.policy_loss(args, batch, current)[1]["seen_lag"]) == pytest.approx(2.0)  # the lag it named
     with pytest.raises(ValueError, match="takes no cur_log_probs"):
-        host.policy_loss(host.parse_args(["--use-tis", "--loss-type", "reinforce", "--pass-current-log-probs",
+        reference_host.policy_loss(reference_host.parse_args(["--use-tis", "--loss-type", "reinforce", "--pass-current-log-probs",
                                           "--custom-tis-function-path", f"{plugin_file}:identity"]), batch, current)
-    assert host.optional_kwargs_taken(lambda **kwargs: None, {"advantages": 1}) == {"advantages": 1}
+    assert reference_host.optional_kwargs_taken(lambda **kwargs: None, {"advantages": 1}) == {"advantages": 1}
 
 
 # --------------------------------------------------------------------------- split rollouts: the hosts' denominators
@@ -369,13 +369,13 @@ def test_split_rollouts_divide_by_the_whole_rollouts_token_count():
     per_token = [[-a * v for a, v in zip(aa, vv)] for aa, vv in zip(adv, values)]
     want = (sum(per_token[0]) + sum(per_token[1])) / 5 + per_token[2][0] / 1
     for form in ({"rollout_ids": [7, 7, 8]}, {"rollout_mask_sums": [torch.tensor(5.0), torch.tensor(5.0), 1.0]}):
-        loss, _ = host.policy_loss(args, dict(batch, **form), current)
+        loss, _ = reference_host.policy_loss(args, dict(batch, **form), current)
         assert float(loss) == pytest.approx(want, rel=1e-6), form
-    loss, _ = host.policy_loss(args, batch, current)  # without them: each sample's own mean
+    loss, _ = reference_host.policy_loss(args, batch, current)  # without them: each sample's own mean
     assert float(loss) == pytest.approx(sum(per_token[0]) / 2 + sum(per_token[1]) / 3 + per_token[2][0], rel=1e-6)
-    assert host.sample_denominators({"rollout_ids": ["a", "b", "a"]}, [torch.ones(2), torch.ones(4),
+    assert reference_host.sample_denominators({"rollout_ids": ["a", "b", "a"]}, [torch.ones(2), torch.ones(4),
                                                                        torch.tensor([1.0, 0.0])]).tolist() == [3, 4, 3]
     with pytest.raises(ValueError, match=r"rollout_ids'\] has 2 entries but the batch has 3 sequences"):
-        host.sample_denominators({"rollout_ids": [1, 2]}, [torch.ones(1)] * 3)
+        reference_host.sample_denominators({"rollout_ids": [1, 2]}, [torch.ones(1)] * 3)
     with pytest.raises(ValueError, match=r"^sequence 1: batch\['rollout_mask_sums'\]\[1\]=nan is invalid"):
-        host.sample_denominators({"rollout_mask_sums": [1.0, float("nan")]}, [torch.ones(1)] * 2)
+        reference_host.sample_denominators({"rollout_mask_sums": [1.0, float("nan")]}, [torch.ones(1)] * 2)

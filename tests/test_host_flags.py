@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from miles_mis import host
+from miles_mis import reference_host
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
@@ -15,14 +15,14 @@ PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 def parse_with_yaml(tmp_path, text, *flags, name="c.yaml"):
     path = tmp_path / name
     path.write_text(text)
-    return host.parse_args([*flags, "--custom-config-path", str(path)]), path
+    return reference_host.parse_args([*flags, "--custom-config-path", str(path)]), path
 
 
 def yaml_error(tmp_path, text, *flags):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
-        host.parse_args([*flags, "--custom-config-path", str(path)])
+        reference_host.parse_args([*flags, "--custom-config-path", str(path)])
     message = str(info.value)
     assert "\n" not in message
     return message, path
@@ -84,22 +84,22 @@ def test_yaml_value_errors_name_the_file_and_key(tmp_path, text, words):
 ])
 def test_flag_ranges_are_checked_at_parse_time(argv, words):
     with pytest.raises(ValueError) as info:
-        host.parse_args(argv)
+        reference_host.parse_args(argv)
     for word in words:
         assert word in str(info.value)
 
 
 def test_defaults_and_range_edges_are_valid():
-    args = host.parse_args([])
+    args = reference_host.parse_args([])
     assert (args.eps_clip, args.eps_clip_high, args.eps_clip_c, args.tis_clip, args.tis_clip_low,
             args.opsm_delta) == (0.2, None, None, 2.0, 0.0, 1e-4)
-    args = host.parse_args(["--tis-clip-low", "0", "--opsm-delta", "0", "--eps-clip-c", "1.01", "--eps-clip", "1e-4"])
+    args = reference_host.parse_args(["--tis-clip-low", "0", "--opsm-delta", "0", "--eps-clip-c", "1.01", "--eps-clip", "1e-4"])
     assert (args.tis_clip_low, args.opsm_delta, args.eps_clip_c, args.eps_clip) == (0.0, 0.0, 1.01, 1e-4)
 
 
 def test_one_message_style_for_the_flag_and_the_yaml(tmp_path):
     with pytest.raises(ValueError) as flag:
-        host.parse_args(["--eps-clip", "-0.5"])
+        reference_host.parse_args(["--eps-clip", "-0.5"])
     message, path = yaml_error(tmp_path, "eps_clip: -0.5\n")
     problem = "-0.5 is invalid: allowed values are finite numbers > 0"
     assert str(flag.value).startswith(f"--eps-clip: {problem}")
@@ -153,9 +153,9 @@ def test_config_errors_of_the_plugin_name_the_file(tmp_path):
 def test_host_flag_keys_of_the_config_match_the_parser():
     from miles_mis.config import HOST_FLAG_KEYS
 
-    dests = {action.dest for action in host.build_parser()._actions} - {"help"}
+    dests = {action.dest for action in reference_host.build_parser()._actions} - {"help"}
     # --mis-set is the command line's way to set config keys: a config file cannot hold it
-    assert host.COMMAND_LINE_ONLY == {"mis_set"}
+    assert reference_host.COMMAND_LINE_ONLY == {"mis_set"}
     assert HOST_FLAG_KEYS == dests - {"use_tis", "custom_config_path", "mis_set"}
 
 
@@ -198,7 +198,7 @@ def test_custom_config_syntax_error_and_duplicate_key_are_one_line(tmp_path):
     assert message == f"{path}:3:1: duplicate key 'eps_clip' (first at line 1)"
     missing = tmp_path / "missing.yaml"
     with pytest.raises(ValueError) as info:
-        host.parse_args(["--custom-config-path", str(missing)])
+        reference_host.parse_args(["--custom-config-path", str(missing)])
     assert str(info.value).startswith(f"{missing}: cannot read the file")
 
 
@@ -206,21 +206,21 @@ def test_custom_config_syntax_error_and_duplicate_key_are_one_line(tmp_path):
 def test_file_plugin_is_executed_once_per_process(tmp_path):
     log = tmp_path / "imports.log"
     path = write_plugin(tmp_path, log)
-    args = host.parse_args(["--use-tis", "--custom-tis-function-path", path])
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", path])
     current = [torch.zeros(3, requires_grad=True)]
     batch = dict(advantages=[torch.ones(3)], log_probs=[torch.zeros(3)], rollout_log_probs=[torch.zeros(3)],
                  loss_masks=[torch.ones(3)], response_lengths=[3], total_lengths=[5])
     for _ in range(3):
-        host.policy_loss(args, batch, current)
+        reference_host.policy_loss(args, batch, current)
     assert log.read_text() == "imported\n"
     # the same file under another spelling of its path is the same module
-    same = host.load_function(str(tmp_path / "." / "my_plugin.py") + ":correct")
-    assert same is host.load_function(path) and log.read_text() == "imported\n"
+    same = reference_host.load_function(str(tmp_path / "." / "my_plugin.py") + ":correct")
+    assert same is reference_host.load_function(path) and log.read_text() == "imported\n"
 
 
 # ---------------------------------------------------------------- --help
 def test_help_shows_defaults():
-    text = " ".join(host.build_parser().format_help().split())
+    text = " ".join(reference_host.build_parser().format_help().split())
     for part in ["--eps-clip EPS_CLIP PPO clip range below 1, > 0 (default: 0.2)", "(default: 0.0)", "(default: 0.0001)",
                  "--loss-type {ppo,reinforce}", "(default: ppo)", "(default: thd)", "(default: 2.0)"]:
         assert part in text, part
@@ -261,20 +261,20 @@ def test_a_broken_file_plugin_is_one_error_naming_the_flag(tmp_path, source, mes
     plugin = tmp_path / "bad_plugin.py"
     plugin.write_text(source)
     with pytest.raises(ValueError, match=r"^--custom-tis-function-path '.*bad_plugin\.py:f': " + message):
-        host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin}:f"])
+        reference_host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin}:f"])
 
 
 def test_a_function_path_without_a_module_is_named():
     with pytest.raises(ValueError, match=r"^--custom-tis-function-path 'func' is invalid: expected pkg.module.func"):
-        host.parse_args(["--use-tis", "--custom-tis-function-path", "func"])
+        reference_host.parse_args(["--use-tis", "--custom-tis-function-path", "func"])
 
 
 @pytest.mark.parametrize("text, expected", [("010", 10.0), ("1.0e-1", 0.1), ("0.3", 0.3), ("2", 2.0)])
 def test_yaml_numbers_are_read_from_their_text_like_the_command_line(tmp_path, text, expected):
     config = tmp_path / "flags.yaml"
     config.write_text(f"eps_clip: {text}\n")  # YAML 1.1 alone would read 010 as the octal 8
-    assert host.parse_args(["--custom-config-path", str(config)]).eps_clip == expected
-    assert host.parse_args(["--eps-clip", text]).eps_clip == expected
+    assert reference_host.parse_args(["--custom-config-path", str(config)]).eps_clip == expected
+    assert reference_host.parse_args(["--eps-clip", text]).eps_clip == expected
 
 
 @pytest.mark.parametrize("text", ["0x10", "1:30"])
@@ -282,9 +282,9 @@ def test_yaml_numbers_the_command_line_refuses_are_refused(tmp_path, text):
     config = tmp_path / "flags.yaml"
     config.write_text(f"eps_clip: {text}\n")
     with pytest.raises(ValueError, match=r"flags\.yaml: key 'eps_clip' \(--eps-clip\)"):
-        host.parse_args(["--custom-config-path", str(config)])
+        reference_host.parse_args(["--custom-config-path", str(config)])
     with pytest.raises(SystemExit):
-        host.parse_args(["--eps-clip", text])
+        reference_host.parse_args(["--eps-clip", text])
 
 
 def test_miles_mis_keys_without_a_correction_function_are_an_error(tmp_path):
@@ -292,8 +292,8 @@ def test_miles_mis_keys_without_a_correction_function_are_an_error(tmp_path):
     config.write_text("tis_mode: mask\n")  # with the built-in TIS nothing would read it
     with pytest.raises(ValueError, match=r"mis\.yaml: key 'tis_mode' is a miles_mis config key, but no "
                                          r"--custom-tis-function-path is given"):
-        host.parse_args(["--use-tis", "--custom-config-path", str(config)])
-    args = host.parse_args(["--use-tis", "--custom-config-path", str(config), "--custom-tis-function-path",
+        reference_host.parse_args(["--use-tis", "--custom-config-path", str(config)])
+    args = reference_host.parse_args(["--use-tis", "--custom-config-path", str(config), "--custom-tis-function-path",
                             "miles_mis.compute_mis_weights_with_cp"])
     assert args.tis_mode == "mask"
 
@@ -325,7 +325,7 @@ def test_use_tis_with_a_config_file_and_no_function_warns_in_one_line(tmp_path, 
 def test_no_warning_when_a_function_reads_the_file_or_tis_is_off(tmp_path, capsys, text, flags):
     parse_with_yaml(tmp_path, text, *flags)
     assert capsys.readouterr() == ("", "")
-    host.parse_args(["--use-tis"])  # no config file: the built-in TIS is what was asked for
+    reference_host.parse_args(["--use-tis"])  # no config file: the built-in TIS is what was asked for
     assert capsys.readouterr() == ("", "")
 
 
@@ -344,7 +344,7 @@ WITH_PLUGIN = ("--use-tis", "--custom-tis-function-path", PLUGIN)
 
 
 def mis_set(*items, flags=WITH_PLUGIN):
-    return host.parse_args([*flags, *(part for item in items for part in ("--mis-set", item))])
+    return reference_host.parse_args([*flags, *(part for item in items for part in ("--mis-set", item))])
 
 
 def mis_set_error(*items, flags=WITH_PLUGIN):
@@ -395,9 +395,9 @@ def test_mis_set_overrides_the_config_file_key(tmp_path):
     path.write_text("tis_mode: clip\ntis_lower_bound: 0.5\nrs_batch_gate: {k3: 0.05}\n")
     for argv in (["--custom-config-path", str(path), "--mis-set", "tis_mode=mask"],
                  ["--mis-set", "tis_mode=mask", "--custom-config-path", str(path)]):  # the order of the flags
-        config = MisConfig.from_args(host.parse_args([*WITH_PLUGIN, *argv]))
+        config = MisConfig.from_args(reference_host.parse_args([*WITH_PLUGIN, *argv]))
         assert (config.tis_mode, config.tis_lower_bound, config.rs_batch_gate) == ("mask", 0.5, (("k3", 0.05),))
-    args = host.parse_args([*WITH_PLUGIN, "--custom-config-path", str(path), "--mis-set", "rs_batch_gate=null"])
+    args = reference_host.parse_args([*WITH_PLUGIN, "--custom-config-path", str(path), "--mis-set", "rs_batch_gate=null"])
     assert MisConfig.from_args(args).rs_batch_gate == ()  # the file's gate turned off from the command line
     # a valid file key overridden by an invalid value: the error names --mis-set, not the file
     path.write_text("tis_mode: clip\n")
@@ -477,7 +477,7 @@ def test_mis_set_without_a_correction_function_is_an_error_like_the_file_key(tmp
     assert file_message == f"{path}: key 'tis_mode'" + message[len("--mis-set tis_mode"):]
     # the function named in the file counts, as for the file's own keys
     path.write_text(f"custom_tis_function_path: {PLUGIN}\n")
-    args = host.parse_args(["--use-tis", "--custom-config-path", str(path), "--mis-set", "tis_mode=mask"])
+    args = reference_host.parse_args(["--use-tis", "--custom-config-path", str(path), "--mis-set", "tis_mode=mask"])
     assert args.tis_mode == "mask"
 
 
@@ -540,7 +540,7 @@ def test_the_host_namespace_holds_no_config_key_it_was_not_given():
     from miles_mis import MisConfig
     from miles_mis.lab.train import parse_args as lab_parse_args
 
-    for args in (host.parse_args(list(WITH_PLUGIN)), lab_parse_args(list(WITH_PLUGIN))):
+    for args in (reference_host.parse_args(list(WITH_PLUGIN)), lab_parse_args(list(WITH_PLUGIN))):
         assert set(vars(args)) & set(MisConfig.keys()) == {"use_tis"}  # the --use-tis flag only
 
 

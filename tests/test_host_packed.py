@@ -10,7 +10,7 @@ import torch
 from cp_harness import cp_state, make_full_batch, spawn
 from test_host import grads, make_batch
 
-from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp, host
+from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp, reference_host
 
 LIST = "miles_mis.compute_mis_weights_with_cp"
 PACKED = "miles_mis.compute_mis_weights_packed"
@@ -20,7 +20,7 @@ def host_args(path, *flags, config=None, repo_root=None):
     argv = ["--use-tis", "--custom-tis-function-path", path, *flags]
     if config:
         argv += ["--custom-config-path", str(repo_root / "configs" / config)]
-    return host.parse_args(argv)
+    return reference_host.parse_args(argv)
 
 
 def rejection_batch():
@@ -78,7 +78,7 @@ def test_call_packed_returns_the_list_entry_points_loss_masks_and_metrics(config
     pg_loss[int((mask == 0).nonzero()[0])] = float("nan")  # and on an untrained token: both must become 0
     want_loss, want_masks, want_metrics = compute_mis_weights_with_cp(
         config, pg_loss=pg_loss, total_lengths=full["total_lengths"], **kwargs)
-    got_loss, got_masks, got_metrics = host.call_packed(compute_mis_weights_packed, config, pg_loss=pg_loss, **kwargs)
+    got_loss, got_masks, got_metrics = reference_host.call_packed(compute_mis_weights_packed, config, pg_loss=pg_loss, **kwargs)
     if config.use_tis:
         assert torch.equal(got_loss, want_loss) and torch.isfinite(got_loss).all()
     else:  # metrics-only: pg_loss unchanged, NaN included
@@ -103,8 +103,8 @@ def test_a_file_that_reexports_the_packed_function_takes_the_packed_path(tmp_pat
     plugin = tmp_path / "my_packed.py"
     plugin.write_text("from miles_mis import compute_mis_weights_packed\n")
     path = f"{plugin}:compute_mis_weights_packed"
-    assert host.is_packed_entry(host.load_function(path)) and host.is_packed_entry(host.load_function(PACKED))
-    assert not host.is_packed_entry(host.load_function(LIST))
+    assert reference_host.is_packed_entry(reference_host.load_function(path)) and reference_host.is_packed_entry(reference_host.load_function(PACKED))
+    assert not reference_host.is_packed_entry(reference_host.load_function(LIST))
     batch, current = rejection_batch()
     # called with the list contract (args=, pg_loss=, ...) the packed function would raise a TypeError
     loss_f, metrics_f, _ = grads(host_args(path, config="seq_mis.yaml", repo_root=repo_root), batch, current)
@@ -127,21 +127,21 @@ def test_empty_micro_batch_through_the_packed_path():
     args = host_args(PACKED)
     batch = dict(advantages=[], log_probs=[], rollout_log_probs=[], loss_masks=[], response_lengths=[],
                  total_lengths=[])
-    loss, metrics = host.policy_loss(args, batch, [])
+    loss, metrics = reference_host.policy_loss(args, batch, [])
     assert loss.item() == 0.0 and metrics["pg_loss"].item() == 0.0
 
 
 def test_context_parallel_is_refused_at_validation():
-    args = host.build_parser().parse_args(["--use-tis", "--custom-tis-function-path", PACKED])
+    args = reference_host.build_parser().parse_args(["--use-tis", "--custom-tis-function-path", PACKED])
     args.context_parallel_size = 2  # a host with miles' --context-parallel-size flag
     with pytest.raises(ValueError) as info:
-        host.validate_args(args)
+        reference_host.validate_args(args)
     message = str(info.value)
     assert message == ("--custom-tis-function-path miles_mis.compute_mis_weights_packed: compute_mis_weights_packed "
                        "takes whole sequences, but --context-parallel-size is 2: under context parallelism use "
                        "miles_mis.compute_mis_weights_with_cp (same results, CP shards)")
     args.context_parallel_size = 1
-    host.validate_args(args)
+    reference_host.validate_args(args)
 
 
 def test_lab_refuses_the_packed_entry_with_context_parallelism():
@@ -165,7 +165,7 @@ def test_a_data_parallel_scope_is_refused():
             state = SimpleNamespace(cp=single_cp, dp=SimpleNamespace(rank=0, size=dp_size, group=None))
             with pytest.raises(ValueError, match=r"compute_mis_weights_packed corrects each micro-batch alone, but "
                                                  r"\w+_scope: dp asks for the data-parallel group: use"):
-                host.policy_loss(args, batch, current, parallel_state=state)
+                reference_host.policy_loss(args, batch, current, parallel_state=state)
 
 
 def _cp2_worker(rank, size):
@@ -174,7 +174,7 @@ def _cp2_worker(rank, size):
     batch = dict(full, log_probs=full["train_log_probs"], advantages=[torch.ones(n) for n in full["response_lengths"]])
     current = [t.clone().requires_grad_() for t in full["train_log_probs"]]  # lengths need not fit: refused first
     with pytest.raises(ValueError) as info:
-        host.policy_loss(args, batch, current, parallel_state=cp_state(rank, size))
+        reference_host.policy_loss(args, batch, current, parallel_state=cp_state(rank, size))
     assert str(info.value) == ("--custom-tis-function-path miles_mis.compute_mis_weights_packed: "
                                "compute_mis_weights_packed takes whole sequences, but the context parallel size is "
                                "2: under context parallelism use miles_mis.compute_mis_weights_with_cp (same results, "
@@ -185,7 +185,7 @@ def _cp2_worker(rank, size):
     kwargs, _, _ = shard(full, torch.zeros(sum(full["response_lengths"])), rank, size, "thd")
     batch = dict(full, log_probs=kwargs["train_log_probs"], rollout_log_probs=kwargs["rollout_log_probs"],
                  advantages=[torch.ones(t.numel()) for t in kwargs["train_log_probs"]])
-    loss, _ = host.policy_loss(host_args(LIST), batch, [t.clone() for t in kwargs["train_log_probs"]],
+    loss, _ = reference_host.policy_loss(host_args(LIST), batch, [t.clone() for t in kwargs["train_log_probs"]],
                                parallel_state=cp_state(rank, size))
     assert math.isfinite(loss.item())
 

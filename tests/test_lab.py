@@ -12,7 +12,8 @@ from cp_harness import free_port
 
 from miles_mis.lab import task
 from miles_mis.lab.demo import (ALGORITHMS, DEFAULT_SETTING, DEFAULT_STEPS, DEMO_ALGORITHMS, centred_mean,
-                                figure_panels, markdown_table, per_period_mean, run_algorithm, summarize, sync_period)
+                                figure_panels, markdown_table, per_period_mean, run_algorithm, summarize,
+                                sync_period)
 from miles_mis.lab.engine import RolloutEngine, quantize_int8
 from miles_mis.lab.model import ModelConfig, TinyGPT, sequence_log_probs
 from miles_mis.lab.policy import group_advantages

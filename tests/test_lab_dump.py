@@ -13,7 +13,7 @@ import pytest
 import torch
 from cp_harness import free_port
 
-from miles_mis.layout import zigzag_layout
+from miles_mis.parallel.cp_layout import zigzag_layout
 from miles_mis.lab.train import parse_args, train
 
 TOP_KEYS = {"rank", "call", "samples", "ppo_kl", "pg_loss", "finite"}

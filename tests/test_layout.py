@@ -7,7 +7,7 @@ import torch
 
 from cp_harness import local_positions as reference_positions
 
-from miles_mis.layout import ranges, zigzag_layout
+from miles_mis.parallel.cp_layout import ranges, zigzag_layout
 
 
 def layout_positions(totals, responses, rank, cp, fmt="thd", spans=None):

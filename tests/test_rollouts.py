@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_cp import check_case
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed, compute_mis_weights_with_cp
-from miles_mis.inputs import InputError
+from miles_mis.inputs.packing import InputError
 
 SEQUENCE_TIS = MisConfig(use_tis=True, tis_level="sequence", tis_mode="truncate", tis_upper_bound=2.0)
 

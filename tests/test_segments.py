@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_mis.segments import PackedBatch
+from miles_mis.tensors.packed_batch import PackedBatch
 
 EMPTY_MAX, EMPTY_MIN = -1.0, 3.0e38
-EDGES = (0, 1, 16, 128, 1024, 8192)  # miles_mis.location.POSITION_EDGES
+EDGES = (0, 1, 16, 128, 1024, 8192)  # miles_mis.correction.mismatch_location.POSITION_EDGES
 
 
 def build(lengths, seed=0, positions=None):
@@ -135,9 +135,9 @@ def test_bucket_edges_are_checked():
 
 
 def test_int64_indices_beyond_int32(monkeypatch):
-    from miles_mis import segments
+    from miles_mis.tensors import packed_batch
 
-    monkeypatch.setattr(segments, "_INT32_MAX", 6)  # as if N > 2^31 - 1: the CSR takes int64 indices
+    monkeypatch.setattr(packed_batch, "_INT32_MAX", 6)  # as if N > 2^31 - 1: the CSR takes int64 indices
     lengths = [3, 0, 5, 1]
     batch = build(lengths)
     assert batch.segment_matrix.col_indices().dtype == torch.long
@@ -162,7 +162,7 @@ def test_sparse_beta_warning_never_reaches_the_user():
     import sys
 
     code = ("import torch\n"
-            "from miles_mis.segments import PackedBatch\n"
+            "from miles_mis.tensors.packed_batch import PackedBatch\n"
             "for n in (3, 5):\n"
             "    b = PackedBatch.from_flat(torch.zeros(n), torch.zeros(n), torch.ones(n), torch.tensor([1, n - 1]))\n"
             "    assert b.per_seq_sum(torch.ones(n)).tolist() == [1.0, n - 1.0]\n"

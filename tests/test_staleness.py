@@ -15,8 +15,9 @@ from reference import reference
 from test_cp import check_case
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed, compute_mis_weights_with_cp
-from miles_mis import staleness, versions
-from miles_mis.inputs import InputError
+from miles_mis.correction import staleness
+from miles_mis.inputs import versions
+from miles_mis.inputs.packing import InputError
 
 
 def call(config, train, rollout, masks, pg_loss=None, **kwargs):

@@ -1,4 +1,4 @@
-"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/truncation.py, sampling_mask.py): hand
+"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/truncated_sampling.py, sampling_mask.py): hand
 cases, every form a host passes the masks in, bad inputs, and every CP rank against cp = 1."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from reference import truncation_reference
 from test_cp import check_case
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed, compute_mis_weights_with_cp
-from miles_mis import truncation
-from miles_mis.inputs import InputError
+from miles_mis.correction import truncated_sampling
+from miles_mis.inputs.packing import InputError
 
 
 def batch_value(metrics, name):
@@ -189,5 +189,5 @@ def test_detector_and_sampling_masks_under_cp_equal_cp1(size):
 
 
 def test_thresholds_are_what_the_docs_state():
-    assert (truncation.NEGATIVE_FRACTION, truncation.STANDARDIZED_MEAN, truncation.MEAN_SHIFT,
-            truncation.MIN_TOKENS) == (0.7, 0.3, 1e-3, 64)
+    assert (truncated_sampling.NEGATIVE_FRACTION, truncated_sampling.STANDARDIZED_MEAN, truncated_sampling.MEAN_SHIFT,
+            truncated_sampling.MIN_TOKENS) == (0.7, 0.3, 1e-3, 64)

@@ -16,7 +16,7 @@ from test_reference_equivalence import assert_matches_reference
 
 from miles_mis import (MisConfig, compute_mis_weights, compute_mis_weights_fsdp, compute_mis_weights_packed,
                        compute_mis_weights_with_cp)
-from miles_mis.divergence import probability_estimators
+from miles_mis.correction.divergence import probability_estimators
 
 log_prob = st.floats(-40.0, 0.0, width=64)
 
@@ -312,16 +312,16 @@ def test_directional_options_under_cp_equal_cp1_and_fail_together(size):
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("density", [0.02, 0.6])  # few flags: int32 indices are cheaper; many: bits
 def test_rejection_planes_round_trip_in_both_encodings(planes, density):
-    from miles_mis import rejections
+    from miles_mis.parallel import rejection_wire
 
     gen = torch.Generator().manual_seed(int(density * 100) + planes)
     tokens = [370, 0, 640, 5]
     flags = [(torch.rand(planes, n, generator=gen) < density).float() for n in tokens]
     counts = [int(f.sum()) for f in flags]
-    encoding = rejections.Encoding.choose(tokens, counts, planes)
+    encoding = rejection_wire.Encoding.choose(tokens, counts, planes)
     assert encoding.kind == ("indices" if density < 0.1 else "bits") and encoding.size % 8 == 0
-    gathered = torch.stack([rejections.encode(f if planes == 2 else f[0], encoding) for f in flags])
-    rank, index, plane = rejections.decode(gathered, encoding)
+    gathered = torch.stack([rejection_wire.encode(f if planes == 2 else f[0], encoding) for f in flags])
+    rank, index, plane = rejection_wire.decode(gathered, encoding)
     got = sorted(zip(rank.tolist(), plane.tolist(), index.tolist()))
     want = sorted((r, p, j) for r, f in enumerate(flags) for p, j in f.nonzero().tolist())
     assert got == want and len(want) > 0

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from .. import correction
-from ..advantages import needed as reads_advantages
+from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..plugin import pack_sequences
 

@@ -12,7 +12,7 @@ warnings). Every problem is a one-line ``ValueError`` naming the file (and the s
 
 Streaming: ``DumpReader.batches()`` reads the files of one call at a time and yields that call's sequences,
 joined across ranks and put back in response order (the CP shards follow Megatron's zigzag layout,
-``miles_mis.layout``), so memory is bounded by one call whatever the size of the dump.
+``miles_mis.parallel.cp_layout``), so memory is bounded by one call whatever the size of the dump.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..inputs import tensor_problem
-from ..layout import zigzag_layout
+from ..inputs.packing import tensor_problem
+from ..parallel.cp_layout import zigzag_layout
 
 _FILE_NAME = re.compile(r"rank_(\d+)_call_(\d+)\.pt")
 _LOG_PROB_FIELDS = ("old_log_probs", "rollout_log_probs")

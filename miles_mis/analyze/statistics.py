@@ -27,13 +27,13 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .. import truncation as _truncation
+from ..correction import truncated_sampling as _truncation
 from .truncation import local_values, summary
 
-from ..ops import LOG_PROB_BOUND
-from ..ops import LOG_RATIO_CLAMP
-from ..staleness import BUCKETS as LAG_BUCKETS
-from ..staleness import bucket_of
+from ..tensors.ops import LOG_PROB_BOUND
+from ..tensors.ops import LOG_RATIO_CLAMP
+from ..correction.staleness import BUCKETS as LAG_BUCKETS
+from ..correction.staleness import bucket_of
 from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
 

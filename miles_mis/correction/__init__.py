@@ -10,7 +10,7 @@ sequences, so the number of tensor operations does not grow with the batch size)
                      group);
 4. ``finalize``      sequence-level decisions, weights, normalisation and metrics.
 
-Every formula is written once here and once in docs/math.md. The packed tensors are ``miles_mis.segments``.
+Every formula is written once here and once in docs/math.md. The packed tensors are ``miles_mis.tensors.packed_batch``.
 """
 
 from .batch_values import combine_batch_values

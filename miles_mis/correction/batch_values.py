@@ -2,7 +2,7 @@
 agreement header (its size does not depend on B), and the adaptive token-level bound chosen from it.
 
 Layout: ``mismatch_location.NAMES``, ``truncated_sampling.NAMES``, then, with an adaptive token-level bound, the
-histogram of the passing tokens' ratios (``miles_mis.adaptive``).
+histogram of the passing tokens' ratios (``miles_mis.correction.adaptive``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import adaptive, backend, location, ops, truncation
+from . import adaptive, mismatch_location, truncated_sampling
+from ..tensors import backend, ops
 from ..config import MisConfig
-from ..segments import PackedBatch
+from ..tensors.packed_batch import PackedBatch
 from .token_terms import TokenTerms
 
-HISTOGRAM_START = len(location.NAMES) + len(truncation.NAMES)  # where the adaptive bound's histogram starts
+HISTOGRAM_START = len(mismatch_location.NAMES) + len(truncated_sampling.NAMES)  # where the adaptive bound's histogram starts
 
 
 def adaptive_token_level(config: MisConfig) -> bool:
@@ -30,8 +31,8 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
     k3, usable, low_and_max, truncation_values = backend.call(
         batch_value_kernel, config.kernel_backend, terms.k3, terms.usable, terms.log_ratio, batch.rollout_log_probs,
         config.metrics_low_prob_threshold, batch.mask_sizes)
-    values = torch.cat([location.local_values(k3, usable, low_and_max,
-                                              lambda v: batch.per_bucket_sum(v, location.POSITION_EDGES)),
+    values = torch.cat([mismatch_location.local_values(k3, usable, low_and_max,
+                                              lambda v: batch.per_bucket_sum(v, mismatch_location.POSITION_EDGES)),
                         truncation_values])
     if adaptive_token_level(config):
         edges = adaptive.candidates(config.upper_bound.search_range, terms.token_ratio.device)
@@ -42,17 +43,17 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
 
 def batch_value_kernel(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
                        low_prob_threshold: float, mask_sizes: Tensor | None) -> tuple[Tensor, ...]:
-    """The per-token passes of ``local_batch_values``: ``location.token_values`` and ``truncation.local_values``,
+    """The per-token passes of ``local_batch_values``: ``mismatch_location.token_values`` and ``truncated_sampling.local_values``,
     one fused kernel on the compiled backend (the position-bucket sums, sparse mat-vecs, stay outside it)."""
-    return (*location.token_values(k3, usable, log_ratio, rollout_log_probs, low_prob_threshold),
-            truncation.local_values(log_ratio, usable, mask_sizes))
+    return (*mismatch_location.token_values(k3, usable, log_ratio, rollout_log_probs, low_prob_threshold),
+            truncated_sampling.local_values(log_ratio, usable, mask_sizes))
 
 
 def combine_batch_values(per_rank: Tensor) -> Tensor:
     """[C, M] -> [M]: the location and truncation parts combined by their ``combine``, a histogram after them
     added."""
-    size, end = len(location.NAMES), HISTOGRAM_START
-    return torch.cat([location.combine(per_rank[:, :size]), truncation.combine(per_rank[:, size:end]),
+    size, end = len(mismatch_location.NAMES), HISTOGRAM_START
+    return torch.cat([mismatch_location.combine(per_rank[:, :size]), truncated_sampling.combine(per_rank[:, size:end]),
                       per_rank[:, end:].sum(0)])
 
 

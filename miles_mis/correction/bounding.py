@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops import indicator
+from ..tensors.ops import indicator
 
 
 def bound_weights(ratio: Tensor, mode: str, lower: float, upper: float | Tensor,

@@ -14,10 +14,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .. import adaptive, divergence, gate, location, ops, staleness, truncation
+from . import adaptive, divergence, gate, mismatch_location, staleness, truncated_sampling
+from ..tensors import ops
 from ..config import MisConfig
-from ..ops import LOG_RATIO_CLAMP
-from ..segments import PackedBatch
+from ..tensors.ops import LOG_RATIO_CLAMP
+from ..tensors.packed_batch import PackedBatch
 from .batch_values import HISTOGRAM_START
 from .bounding import bound_fraction_metrics, bound_weights
 from .seq_table import EMPTY_MAX_WEIGHT, NO_TOKEN, TableSchema, group_rollouts, per_sample, rollout_seq_metrics
@@ -193,17 +194,17 @@ def level_log_ratio(col: dict[str, Tensor], level: str) -> Tensor:
 
 def measure_batch(batch: PackedBatch, col: dict[str, Tensor], batch_values: Tensor,
                   gate_reduce: Reduce) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Where the mismatch lives (``location.metrics``, ``truncation.metrics``) and the batch gate's statistics, every
+    """Where the mismatch lives (``mismatch_location.metrics``, ``truncated_sampling.metrics``) and the batch gate's statistics, every
     call (batch metrics, gate statistics):
 
     k3 = Σ_t k3_t / n,   kl = Σ_t (−ℓ_t) / n,   max_abs_log_ratio = max_t |ℓ_t|
 
     over the usable tokens of the micro-batch (n of them; with ``rs_batch_gate_scope: dp``, of the DP group too).
     """
-    metrics = location.metrics(batch_values)
-    metrics.update(truncation.metrics(batch_values[len(location.NAMES):HISTOGRAM_START], batch.mask_sizes is not None))
+    metrics = mismatch_location.metrics(batch_values)
+    metrics.update(truncated_sampling.metrics(batch_values[len(mismatch_location.NAMES):HISTOGRAM_START], batch.mask_sizes is not None))
     gate_parts = gate_reduce(gate.parts(col["sum_k3"].sum(), col["sum_log_ratio"].sum(), col["n_usable"].sum(),
-                                        batch_values[location.INDEX["max_abs_log_ratio"]]))
+                                        batch_values[mismatch_location.INDEX["max_abs_log_ratio"]]))
     statistics = gate.statistics(gate_parts)
     metrics.update({f"batch_{name}": value for name, value in statistics.items()})
     return metrics, statistics
@@ -378,7 +379,7 @@ def keep_sequences(reject: Tensor | None, col: dict[str, Tensor]) -> tuple[Tenso
 
 def apply_adaptive_bound(config: MisConfig, seq: SeqWeights | None, token_bound: adaptive.Choice | None,
                          n_pass: Tensor, histogram_reduce: Reduce, device) -> tuple[Outcome, SeqWeights | None]:
-    """The adaptive bound (``tis_upper_bound: auto``, ``miles_mis.adaptive``). At sequence/geometric level it is
+    """The adaptive bound (``tis_upper_bound: auto``, ``miles_mis.correction.adaptive``). At sequence/geometric level it is
     chosen here, over the kept sequences, each counted n_pass_i times:
 
     U = max{c_j : ESS(c_j) ≥ η},   w_i = min(r_i, U)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ..config import MisConfig
-from ..segments import PackedBatch
+from ..tensors.packed_batch import PackedBatch
 from .batch_values import bound_token_terms, local_batch_values
 from .finalize import Correction, finalize
 from .seq_table import TableSchema, local_table
@@ -24,7 +24,7 @@ from .token_terms import rejects_tokens, token_rejections, token_terms
 
 class Reductions(Protocol):
     """How one call combines its values with other processes (``LOCAL``: one process, nothing to combine; the
-    context- and data-parallel implementation is ``miles_mis.peers.PeerReductions``).
+    context- and data-parallel implementation is ``miles_mis.parallel.peers.PeerReductions``).
 
     The first exchange is ``batch_values``: under CP it is the agreement (config, shapes, errors) and returns an
     opaque value the table exchange needs; an error before it reaches every peer through ``fail``."""

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import backend, divergence
+from ..tensors import backend
+from . import divergence
 from ..config import MisConfig
-from ..segments import PackedBatch
+from ..tensors.packed_batch import PackedBatch
 from .token_terms import TokenTerms, bounded_tokens
 
 NO_TOKEN = 3.0e38  # a min column's value for a sequence without a passing token (weights are ≤ e^20)
@@ -157,7 +158,7 @@ def local_table(batch: PackedBatch, terms: TokenTerms, config: MisConfig, schema
 
 # --------------------------------------------------------------------------- split rollouts
 def group_rollouts(batch: PackedBatch, table: Tensor, schema: TableSchema) -> tuple[PackedBatch, Tensor]:
-    """With the host's split rollouts (``batch.rollouts``, miles_mis.rollouts): the batch and the combined table with
+    """With the host's split rollouts (``batch.rollouts``, miles_mis.inputs.rollouts): the batch and the combined table with
     each rollout's samples as one sequence; unchanged without them, or when every sample is its own rollout."""
     groups = batch.rollouts
     if groups is None or groups.trivial:

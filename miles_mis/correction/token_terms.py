@@ -18,10 +18,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .. import backend, divergence, ops, staleness
+from ..tensors import backend, ops
+from . import divergence, staleness
 from ..config import MisConfig
-from ..ops import LOG_RATIO_CLAMP, indicator
-from ..segments import PackedBatch
+from ..tensors.ops import LOG_RATIO_CLAMP, indicator
+from ..tensors.packed_batch import PackedBatch
 from .bounding import bound_weights
 
 

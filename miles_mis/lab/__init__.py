@@ -10,3 +10,5 @@
 - ``measure``: an engine's mismatch on the lab's model, without training (``miles-mis measure``).
 - ``demo``: four algorithms on one seed and one mismatch setting (``miles-mis demo``).
 """
+
+__all__: list[str] = []  # its commands run as `miles-mis demo|train|measure`; its modules are imported by name

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import host
+from .. import reference_host
 from .flags import ENGINES
 from .run_output import Progress
 from .train import PLUGIN, parse_args, train
@@ -262,7 +262,7 @@ def demo(out_dir: Path, steps: int, seed: int, setting: list[str], engine: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="miles-mis demo", description=__doc__, formatter_class=host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis demo", description=__doc__, formatter_class=reference_host.HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/demo"), help="where the runs, figure and summary go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO steps per algorithm, >= 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run (the same for all algorithms)")

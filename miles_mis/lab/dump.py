@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .. import host
+from .. import reference_host
 
 SUBDIR = "policy_loss_debug"
 
@@ -93,7 +93,7 @@ def policy_loss_record(args: argparse.Namespace, batch: Mapping[str, Any], log_p
                        local_loss_masks: Sequence[Tensor]) -> dict[str, Any]:
     """``samples``, ``ppo_kl``, ``pg_loss`` and ``finite`` of one host call (everything but rank and call).
 
-    ``batch`` and ``log_probs`` are what :func:`miles_mis.host.policy_loss` was given (log-probs and the
+    ``batch`` and ``log_probs`` are what :func:`miles_mis.reference_host.policy_loss` was given (log-probs and the
     per-token batch entries are this rank's shards, ``loss_masks`` full length); ``local_loss_masks``: this
     rank's shards of ``loss_masks``. ``ppo_kl`` and ``pg_loss`` are recomputed from detached copies as the
     host computes them before OPSM and the TIS/MIS function, which is where miles takes its dump.
@@ -131,11 +131,11 @@ def policy_loss_record(args: argparse.Namespace, batch: Mapping[str, Any], log_p
     adv = torch.where(active, torch.nan_to_num(cat(advantages), nan=0.0, posinf=0.0, neginf=0.0), zero)
     if args.loss_type == "ppo":
         eps_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high
-        pg_loss, _ = host.ppo_clip_loss(ppo_kl, adv, args.eps_clip, eps_high, args.eps_clip_c)
+        pg_loss, _ = reference_host.ppo_clip_loss(ppo_kl, adv, args.eps_clip, eps_high, args.eps_clip_c)
     else:  # REINFORCE, as the host: no ratio; in bypass the detached π_θ/π_rollout weight in the TIS bounds
         pg_loss = -adv * torch.nan_to_num(current_flat, nan=0.0, posinf=0.0, neginf=0.0)
         if args.use_rollout_logprobs:
-            pg_loss = pg_loss * host.safe_ratio(current_flat - cat(rollout)).clamp(args.tis_clip_low, args.tis_clip)
+            pg_loss = pg_loss * reference_host.safe_ratio(current_flat - cat(rollout)).clamp(args.tis_clip_low, args.tis_clip)
 
     return {
         "samples": samples,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import host
+from .. import reference_host
 from . import kept_set, smollm_policy, task, tiny_policy
 from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .policy import MODELS
@@ -23,7 +23,7 @@ ENGINES = ("embedded", "vllm")
 
 class _HelpSuppressed:
     """An argparse parser or group whose added flags are parsed as ever but left out of --help (and of the usage
-    line); the groups it adds are the same. What :func:`host.build_parser` fills is handed through one of these
+    line); the groups it adds are the same. What :func:`reference_host.build_parser` fills is handed through one of these
     to hide the host's flags."""
 
     def __init__(self, container):
@@ -45,7 +45,7 @@ def _training_only(group, training: bool):
 def add_policy_loss_flags(parser: argparse.ArgumentParser, shown: bool = True) -> None:
     """The reference host's policy-loss flags (miles spellings), in their group "policy loss (miles flags)";
     ``shown=False``: parsed as ever, out of --help (a command that computes no policy loss)."""
-    host.build_parser(parser if shown else _HelpSuppressed(parser))
+    reference_host.build_parser(parser if shown else _HelpSuppressed(parser))
 
 
 def add_step_flags(group, training: bool = True) -> None:

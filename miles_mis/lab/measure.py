@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .. import compute_mis_weights, host
+from .. import compute_mis_weights, reference_host
 from ..config import MisConfig, preset_files
 from . import flags
 from .batch_variance import compare_generations, decode_in_batches
@@ -47,7 +47,7 @@ DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``miles-mis train`` (a train command line measures as it is), but --help lists only those that
     act here: not the policy-loss flags nor those that only steer training; then measure's own."""
-    parser = argparse.ArgumentParser(prog="miles-mis measure", description=__doc__, formatter_class=host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis measure", description=__doc__, formatter_class=reference_host.HelpFormatter)
     flags.add_policy_loss_flags(parser, shown=False)
     flags.add_lab_flags(parser, training=False)
     group = parser.add_argument_group("measure")

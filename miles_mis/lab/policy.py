@@ -31,7 +31,7 @@ MODELS = ("tiny", "smollm2-135m")
 def make_policy(args: Any):
     """The ``--model`` policy: ``TinyPolicy`` (tiny_policy.py) or ``SmolLMPolicy`` (smollm_policy.py)."""
     if args.model == "tiny":
-        from .tiny_policy import TinyPolicy  # imported here: a policy's dependencies load only when chosen
+        from .tiny_policy import TinyPolicy
 
         return TinyPolicy(args)
     from .smollm_policy import SmolLMPolicy

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from ..analyze.estimators import k3_terms
-from ..ops import LOG_RATIO_CLAMP
-from ..staleness import BUCKETS, bucket_of  # 0, 1, 2, 3plus: the plugin's lag buckets
+from ..tensors.ops import LOG_RATIO_CLAMP
+from ..correction.staleness import BUCKETS, bucket_of  # 0, 1, 2, 3plus: the plugin's lag buckets
 
 
 def group_versions(step: int, num_samples: int, group_size: int, rollout_staleness: int, async_max_lag: int) -> list[int]:

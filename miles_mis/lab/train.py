@@ -4,7 +4,7 @@ The model, its task and its engine are the ``--model`` policy (policy.py: the ti
 SmolLM2-135M-Instruct adding numbers in a chat prompt); the loop below is the same for both. One step: the engine
 samples ``--group-size`` responses for each of ``--prompts-per-step`` prompts and
 returns their log-probs; the trainer (fp32) recomputes π_old; rewards give GRPO group advantages; then
-``--num-minibatches`` optimizer steps run the reference host's policy loss (``miles_mis.host``) with
+``--num-minibatches`` optimizer steps run the reference host's policy loss (``miles_mis.reference_host``) with
 the plugin loaded through ``--custom-tis-function-path`` / ``--custom-config-path`` exactly as miles
 would. Under ``torchrun ... --context-parallel-size C`` every rank runs the whole model, but the log-probs
 handed to the host and plugin are this rank's zigzag shards and the gradients are summed over the group.
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .. import host
-from ..layout import zigzag_layout
+from .. import reference_host
+from ..parallel.cp_layout import zigzag_layout
 from . import flags, schedule
 from .dump import PolicyLossDumper, policy_loss_record
 from .policy import make_policy
@@ -35,7 +35,7 @@ PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__, formatter_class=host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__, formatter_class=reference_host.HelpFormatter)
     flags.add_policy_loss_flags(parser)
     flags.add_lab_flags(parser)
     return parser
@@ -45,8 +45,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     """The lab's flags, validated (``parser``: build_parser() or one with the same flags, as ``miles-mis measure``)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
-    host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
-    host.validate_args(args)
+    reference_host.merge_config_file(args, parser)  # the lab's flags in the YAML are checked like the host's
+    reference_host.validate_args(args)
     flags.check_lab_args(args)
     return args
 
@@ -205,7 +205,7 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
     if kept is not None:  # the sampling masks as miles' batch carries them: CSR offsets of each whole response
         batch["rollout_sampling_mask_offsets"] = [sets.offsets for sets in kept]
     current = shard(current_full)
-    loss, metrics = host.policy_loss(args, batch, current, parallel_state=cp.state)
+    loss, metrics = reference_host.policy_loss(args, batch, current, parallel_state=cp.state)
     run.dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
     run.optimizer.zero_grad()
     (loss / len(idx)).backward()  # the host returns a sum over sequences

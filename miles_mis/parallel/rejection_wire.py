@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .layout import zigzag_layout
+from .cp_layout import zigzag_layout
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -99,7 +99,7 @@ def positions(rank: Tensor, index: Tensor, length_table: Tensor, cp_size: int) -
 
     ``length_table``: [B, 3] response, total and span lengths (the span is what the layout cuts into 2C chunks:
     the total length for thd, max_seq_len for bshd). Rank r's local tokens are, sequence by sequence, its two
-    zigzag parts (miles_mis.layout); a global local index g = (tokens of ranks < r) + j locates its (rank,
+    zigzag parts (miles_mis.parallel.cp_layout); a global local index g = (tokens of ranks < r) + j locates its (rank,
     sequence) row by one search over the running token count of all ranks' rows.
     """
     if rank.numel() == 0:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .inputs import InputError
+from .packing import InputError
 
 KWARG = "rollout_ids"
 MASK_SUMS_KWARG = "rollout_mask_sums"

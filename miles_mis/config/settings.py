@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import backend as _backend
+from ..tensors import backend as _backend
 from . import upper_bound
 
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
 TIS_POLICIES = ("old", "current")  # the policy the weights compare with π_rollout: π_old or π_θ
-AUTO = "auto"  # tis_upper_bound: auto (miles_mis.adaptive)
-GATE_STATISTICS = ("k3", "kl", "max_abs_log_ratio")  # what rs_batch_gate may test (miles_mis.gate computes them)
+AUTO = "auto"  # tis_upper_bound: auto (miles_mis.correction.adaptive)
+GATE_STATISTICS = ("k3", "kl", "max_abs_log_ratio")  # what rs_batch_gate may test (miles_mis.correction.gate computes them)
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -712,7 +712,7 @@ def host_setting(args: Any, name: str) -> Any:
 
 def preset_files() -> dict[str, Path]:
     """name -> YAML file of every shipped preset: the source tree's configs/, else the installed copy."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # miles_mis/
     for directory in (package / "configs", package.parent / "configs"):  # installed wheel, source tree
         files = {path.stem: path for path in sorted(directory.glob("*.yaml"))}
         if files:

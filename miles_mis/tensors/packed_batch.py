@@ -45,15 +45,15 @@ class PackedBatch:
     _row_offsets: Tensor | None = field(default=None, compare=False, repr=False)  # [B+1] int64 cumsum of lengths
     _columns: Tensor | None = field(default=None, compare=False, repr=False)  # segment_matrix's column indices
     _cache: dict = field(default_factory=dict, compare=False, repr=False)  # positions, per_bucket_sum's indices
-    # [B] int64 weight versions each sequence is behind the trainer (miles_mis.staleness); None = not given
+    # [B] int64 weight versions each sequence is behind the trainer (miles_mis.correction.staleness); None = not given
     lags: Tensor | None = None
     lag_mean: float = 0.0  # their mean (read from the host's list, without a tensor op)
-    # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.advantages), read by the directional divergence
+    # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.inputs.advantages), read by the directional divergence
     # options; None = not given or not needed
     advantage_signs: Tensor | None = None
-    # [N] float64 the engine's kept-set size of each token (miles_mis.sampling_mask; 0 = not recorded); None = not given
+    # [N] float64 the engine's kept-set size of each token (miles_mis.inputs.sampling_mask; 0 = not recorded); None = not given
     mask_sizes: Tensor | None = None
-    # the host's split rollouts (miles_mis.rollouts.RolloutGroups): the core's sequence-level stages act on each
+    # the host's split rollouts (miles_mis.inputs.rollouts.RolloutGroups): the core's sequence-level stages act on each
     # rollout whole (``grouped``); None = every sample is its own sequence
     rollouts: object | None = None
 

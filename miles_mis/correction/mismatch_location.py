@@ -12,7 +12,7 @@ p_t = π_rollout(t):
 each 0 when it has no token, and batch-level (one value for the micro-batch, broadcast to its tokens). They
 are ratios of sums over tokens, so every CP rank contributes its sums to a fixed-size vector that travels
 in the agreement header (``combine``: sums add, the maximum is maxed): CP-exact, no extra collective.
-The same vector carries max |ℓ|, which the batch gate (``miles_mis.gate``) reads.
+The same vector carries max |ℓ|, which the batch gate (``miles_mis.correction.gate``) reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .ops import constant
+from ..tensors.ops import constant
 
 POSITION_EDGES = (0, 1, 16, 128, 1024, 8192)  # buckets [0, 1) [1, 16) ... [8192, ∞): the first token alone
 BUCKET_NAMES = tuple(f"{a}_{b}" for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:] + ("inf",)))

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops
-from .config import MisConfig
+from ..tensors import ops
+from ..config import MisConfig
 
 BUCKETS = ("0", "1", "2", "3plus")  # lag 0, 1, 2, and 3 or more versions behind
 LAG_KEYS = ("tis_upper_bound_by_lag", "rs_max_lag")  # the config keys that act on lags

@@ -4,7 +4,7 @@ finalize.
 ``miles_mis.plugin`` prepares a rank's tokens and hands them here; this module decides, from the config, which
 groups a call talks to (the CP group always, the DP group only for the batch quantities a config takes over it:
 ``DpScopes``) and in which order, so that an error on any rank reaches every rank of both groups
-(docs/reliability.md). The collectives themselves are in ``miles_mis.distributed``.
+(docs/reliability.md). The collectives themselves are in ``miles_mis.parallel.distributed``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import correction, distributed, gate, rejections
-from .config import MisConfig, host_setting
+from .. import correction
+from . import distributed, rejection_wire
+from ..correction import gate
+from ..config import MisConfig, host_setting
 
 
 class PeerReductions:
@@ -78,17 +80,17 @@ class PeerReductions:
             return table, None
         packed = self.packed
         planes = 1 if rejected is None else rejected.dim()
-        encoding = rejections.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
+        encoding = rejection_wire.Encoding.choose([h.tokens for h in headers], [h.rejected for h in headers], planes)
         try:
             per_rank, gathered = distributed.exchange_seq_stats(
                 table, packed.length_table, self.cp,
-                rejections.encode(rejected, encoding) if rejected is not None else None, names=packed.length_names)
+                rejection_wire.encode(rejected, encoding) if rejected is not None else None, names=packed.length_names)
         except Exception as failure:  # noqa: BLE001
             if self.dp.size > 1 and self.scopes.in_finalize:  # the DP peers wait in finalize's exchange: tell them
                 distributed.agree(self.dp, "dp", error=failure, config_text=self.text)
             raise
-        rank, index, plane = rejections.decode(gathered, encoding)
-        positions, sequences = rejections.positions(rank, index, packed.length_table, self.cp.size)
+        rank, index, plane = rejection_wire.decode(gathered, encoding)
+        positions, sequences = rejection_wire.positions(rank, index, packed.length_table, self.cp.size)
         if planes == 1:
             return schema.combine(per_rank), Rejected(positions)
         gated = plane == 1

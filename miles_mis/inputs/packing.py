@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import distributed
-from .config import host_setting
-from .layout import QKV_FORMATS, LocalLayout, zigzag_layout
-from .segments import PackedBatch
+from ..parallel import distributed
+from ..config import host_setting
+from ..parallel.cp_layout import QKV_FORMATS, LocalLayout, zigzag_layout
+from ..tensors.packed_batch import PackedBatch
 
 
 class InputError(ValueError):

@@ -16,15 +16,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .. import distributed
-from ..sampling_mask import KWARGS as SAMPLING_MASK_KWARGS
-from ..versions import LAG_KWARGS
-from ..layout import zigzag_layout
-from ..ops import indicator
-from ..plugin import weigh_loss
+from ..parallel import distributed
+from ..parallel.cp_layout import zigzag_layout
 from .flags import is_packed_entry, load_function, packed_cp_message
 
 LOG_RATIO_CLAMP = 20.0
+# the contract's optional keyword arguments the host forwards as the batch holds them (docs/contract.md): each
+# sequence's lag, and the engine's sampling masks (miles', slime's offsets, or their sizes)
+LAG_KWARGS = ("version_lags", "weight_versions", "current_weight_version")
+SAMPLING_MASK_KWARGS = ("rollout_sampling_mask_offsets", "rollout_top_p_token_offsets", "sampling_mask_sizes")
 
 
 def ppo_clip_loss(ppo_kl: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float,
@@ -49,7 +49,7 @@ def outside_clip_range(ppo_kl: Tensor, eps_clip: float, eps_clip_high: float) ->
     only the tokens whose gradient the clip removes). In bypass at the first minibatch r = π_θ/π_rollout = e^ℓ: the
     share of tokens the engine's mismatch alone puts outside the trust region."""
     ratio = (-ppo_kl).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    return indicator(torch.lt, ratio, 1.0 - eps_clip).add_(indicator(torch.gt, ratio, 1.0 + eps_clip_high))
+    return (ratio < 1.0 - eps_clip).float() + (ratio > 1.0 + eps_clip_high).float()
 
 
 def vanilla_tis(args: argparse.Namespace, *, pg_loss: Tensor, train_log_probs: list[Tensor],
@@ -325,7 +325,8 @@ def call_packed(function: Callable, config: Any, *, pg_loss: Tensor, train_log_p
     weights, kept_mask, metrics = function(config, train_log_probs=train, rollout_log_probs=rollout,
                                            loss_mask=mask, cu_seqlens=cu_seqlens, **extra)
     if weights is not None:
-        pg_loss = weigh_loss(pg_loss, weights, kept_mask != 0)
+        # as a packed host weighs its loss: pg_loss × w on kept tokens, exactly 0 elsewhere (a NaN loss included)
+        pg_loss = torch.where(kept_mask != 0, pg_loss * weights, torch.zeros_like(pg_loss))
     return pg_loss, list(kept_mask.split_with_sizes([int(n) for n in response_lengths])), metrics
 
 
@@ -443,4 +444,4 @@ def opsm_keep(behaviour: Sequence[Tensor], log_probs: Sequence[Tensor], advantag
     sums = distributed.all_reduce_sum(sums, cp)
     count = sums[:, 2].clamp(min=1.0)
     reject = (sums[:, 1] / count < 0) & (sums[:, 0] / count > delta)
-    return indicator(torch.eq, reject.double(), 0.0)
+    return (~reject).float()

@@ -1,5 +1,5 @@
 """Truncated sampling, seen from the log ratios: a live detector of an unreplayed sampling mask, and the kept-set
-sizes a host passes (miles_mis.sampling_mask).
+sizes a host passes (miles_mis.inputs.sampling_mask).
 
 When the engine samples with top-p/top-k/min-p and returns log-probs renormalised over the kept set S_t
 (``processed`` log-probs), but the trainer's log-probs are over the whole vocabulary, every log ratio is shifted by

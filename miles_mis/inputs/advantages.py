@@ -1,5 +1,5 @@
 """The host's advantages, validated: what the directional trust regions read (``rs_divergence``'s dtv, dbkl and
-datv options, miles_mis.divergence).
+datv options, miles_mis.correction.divergence).
 
 A host passes them as the ``advantages`` keyword argument (slime PR 1912 passes ``torch.cat(batch["advantages"])``),
 in one of two layouts:
@@ -21,10 +21,10 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from . import divergence
-from .config import MisConfig
-from .inputs import InputError
-from .segments import PackedBatch
+from ..correction import divergence
+from ..config import MisConfig
+from .packing import InputError
+from ..tensors.packed_batch import PackedBatch
 
 _SEE = "docs/contract.md#advantages"
 

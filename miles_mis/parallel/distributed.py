@@ -11,7 +11,7 @@ config as text and its fingerprint, and a few float64 payload slots). Every rank
 takes the same decision: if any rank failed or the ranks disagree, every rank raises (the failing rank its
 own error, the others a ``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence
 table exchanged (``exchange_seq_stats``), with the ranks' token-level rejections riding in the same
-collective (miles_mis.rejections, sized from the counts in the headers), so a CP call makes at most two
+collective (miles_mis.parallel.rejection_wire, sized from the counts in the headers), so a CP call makes at most two
 collectives and never a mismatched one. The data-parallel normalisation (``dp_sum``) carries its
 numbers in the header's payload: one collective.
 """
@@ -32,7 +32,7 @@ LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag", "rol
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
 # magic, error flag, error sequence, batch size, table schema fingerprint, local tokens, rejected local tokens, fingerprint
 _INTS = "<8q"
-# the batch-sum vector of miles_mis.location (16) + the adaptive bound's histogram (195), and the DP exchanges'
+# the batch-sum vector of miles_mis.correction.mismatch_location (16) + the adaptive bound's histogram (195), and the DP exchanges'
 # numbers (at most that histogram)
 PAYLOAD_SLOTS = 224
 _FLOATS = f"<{PAYLOAD_SLOTS}d"
@@ -256,7 +256,7 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, extra: Tensor 
                        names: Sequence[str] = LENGTH_COLUMNS) -> tuple[Tensor, Tensor | None]:
     """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths (response, total, span; then the
     lag and the rollout group, when the host passes them: ``names`` names the columns) -> [C, B, K] float64, and
-    with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.rejections) -> [C, E].
+    with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.parallel.rejection_wire) -> [C, E].
 
     One collective of B·(K+3)·8 + E bytes per rank. Call only after ``agree`` (same B, K and E on every rank:
     E is computed from the headers). Raises on every rank when the ranks disagree on any sequence's lengths

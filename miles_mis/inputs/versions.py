@@ -1,6 +1,6 @@
 """What a host passes about asynchronous samples, validated: each sequence's lag and the current policy.
 
-Lags (how many weight versions behind the trainer each sequence was generated; miles_mis.staleness uses them)
+Lags (how many weight versions behind the trainer each sequence was generated; miles_mis.correction.staleness uses them)
 come in one of two forms, both optional keyword arguments of the entry points:
 
 - ``version_lags``: B integers ≥ 0 (a list, a tuple or an integer tensor);
@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .inputs import InputError, long_tensor
+from .packing import InputError, long_tensor
 
 LAG_KWARGS = ("version_lags", "weight_versions", "current_weight_version")
 CURRENT_KWARGS = ("cur_log_probs", "current_log_probs")

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import ops
-from .ops import LOG_RATIO_CLAMP, indicator
+from ..tensors import ops
+from ..tensors.ops import LOG_RATIO_CLAMP, indicator
 
 NO_VALUE = -3.0e38  # max-column value of a sequence without a usable token (−NO_VALUE: a min column's)
 

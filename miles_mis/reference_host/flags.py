@@ -421,7 +421,7 @@ def _config_error_message(message: str, config_path: str | None, overridden: Seq
 
 def is_packed_entry(function: Callable) -> bool:
     """Whether ``function`` is ``miles_mis.compute_mis_weights_packed`` (by any path that resolves to it)."""
-    from ..plugin import compute_mis_weights_packed
+    from .. import compute_mis_weights_packed
 
     return function is compute_mis_weights_packed
 

@@ -4,7 +4,7 @@
 
     FixedBound      U                                     tis_upper_bound: 2.0
     PerLagBound     U_i = U_{min(λ_i, last)}              tis_upper_bound_by_lag: [U_0, U_1, ...]  (docs/staleness.md)
-    AdaptiveBound   U = max{c_j : ESS(c_j) ≥ η}, per call  tis_upper_bound: auto  (miles_mis.adaptive)
+    AdaptiveBound   U = max{c_j : ESS(c_j) ≥ η}, per call  tis_upper_bound: auto  (miles_mis.correction.adaptive)
 
 - ``for_tokens(lags, seq_index)``: the token weights' bound and its log-ratio threshold (``ops.log_bound``), a
   number or one value per token; the adaptive bound is not known yet (+inf: nothing is compared with it before it is
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import ops
+from ..tensors import ops
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class PerLagBound:
 
 @dataclass(frozen=True)
 class AdaptiveBound:
-    """Chosen per call from the ratios (``miles_mis.adaptive``): the largest of the candidates (geometric over
+    """Chosen per call from the ratios (``miles_mis.correction.adaptive``): the largest of the candidates (geometric over
     ``search_range``) whose truncated weights keep the ESS ≥ ``target_ess``, over ``scope``."""
 
     search_range: tuple[float, float]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import ops
+from ..tensors import ops
 
 NUM_EDGES = 64  # candidate bounds; the histogram has NUM_EDGES + 1 bins
 HISTOGRAM_SIZE = 3 * (NUM_EDGES + 1)  # (weight, Σ n·ρ, Σ n·ρ²) per bin
