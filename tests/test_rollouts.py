@@ -1,4 +1,4 @@
-"""Split rollouts (miles_mis/rollouts.py): samples sharing a rollout id are one sequence for every sequence-level
+"""Split rollouts (miles_mis/inputs/rollouts.py): samples sharing a rollout id are one sequence for every sequence-level
 stage. Hand cases, the rollout as one concatenated sequence (a property test), every entry point, CP against cp = 1,
 incomplete rollouts counted, and bad ids named."""
 

@@ -13,7 +13,6 @@ negative).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
