@@ -73,6 +73,7 @@ from .. import correction
 from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..plugin import pack_sequences
+from ..tensors import ops
 
 if TYPE_CHECKING:
     from .reading import CallBatch
@@ -282,10 +283,8 @@ def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float]
 def _finish(sums: dict[str, float], largest: float | None) -> dict[str, float | None]:
     """Ratios of the accumulated sums (module docstring); None where the denominator is empty."""
     valid, kept = sums["valid"], sums["kept"]
-    if sums["sum_w_sq"] > 0:
-        ess = _ratio(sums["sum_w"] ** 2, valid * sums["sum_w_sq"])
-    else:
-        ess = 0.0 if valid > 0 else None
+    ess = None if valid <= 0 else float(ops.ess(*torch.tensor([sums["sum_w"], sums["sum_w_sq"], valid],
+                                                               dtype=torch.float64), 0.0))
     if sums["adv_tokens"] == 0:  # no valid token with an advantage
         shift = bias = None
     elif sums["abs_adv"] > 0:

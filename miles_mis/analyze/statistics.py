@@ -28,14 +28,13 @@ import torch
 from torch import Tensor
 
 from ..correction import truncated_sampling as _truncation
-from .truncation import local_values, summary
-
-from ..tensors.ops import LOG_PROB_BOUND
-from ..tensors.ops import LOG_RATIO_CLAMP
 from ..correction.staleness import BUCKETS as LAG_BUCKETS
 from ..correction.staleness import bucket_of
+from ..tensors import ops
+from ..tensors.ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP
 from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
+from .truncation import local_values, summary
 
 POSITION_BUCKETS = 24  # bucket 0: the first token; bucket b ≥ 1: positions [2^(b-1), 2^b)
 LENGTH_BUCKETS = 24  # bucket 0: empty responses; bucket b ≥ 1: lengths [2^(b-1), 2^b)
@@ -236,7 +235,7 @@ def _tokens(batch: CallBatch) -> dict[str, Tensor]:
     rollout = torch.cat(batch.rollout_log_probs).double()
     valid = torch.cat(batch.loss_masks) != 0
     old_ok, rollout_ok = old.abs() < LOG_PROB_BOUND, rollout.abs() < LOG_PROB_BOUND  # NaN compares False
-    usable = valid & old_ok & rollout_ok
+    usable = ops.usable_tokens(old, rollout, valid.double()) > 0  # the plugin's one definition
     ell = torch.where(usable, old - rollout, torch.zeros_like(old))
     k3 = k3_terms(ell) * usable  # float64 expm1: exact when the engines nearly agree (estimators.py)
     return {"seq": seq, "valid": valid, "usable": usable, "old_ok": old_ok, "rollout_ok": rollout_ok,

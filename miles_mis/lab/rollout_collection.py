@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..analyze.estimators import k3_terms
+from ..tensors import ops
 from . import kept_set, schedule
 from .model import routing_disagreement
 from .policy import group_advantages
@@ -34,7 +35,7 @@ def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torc
     """
     raw = torch.cat([o.double() - r.double() for o, r in zip(old_log_probs, rollout_log_probs)])
     ratio = raw.clamp(-20, 20).exp()
-    ess = ratio.sum() ** 2 / (ratio.numel() * ratio.square().sum())
+    ess = ops.ess(ratio.sum(), ratio.square().sum(), ratio.numel(), 0.0)
     return {"raw_kl": float(-raw.mean()), "raw_ess": float(ess), "raw_k3": float(k3_terms(raw).mean()),
             "raw_ratio_mean": float(ratio.mean())}
 
