@@ -18,11 +18,12 @@ from torch import Tensor
 from . import adaptive, divergence
 from ..config import MisConfig
 from ..tensors.packed_batch import PackedBatch
-from .decisions import (Outcome, SeqWeights, apply_adaptive_bound, bound_at_tis_level, gate_batch,
+from .decisions import (apply_adaptive_bound, bound_at_tis_level, gate_batch,
                         keep_sequences, keep_staying_tokens, reject_by_divergence, reject_outside_rs_bounds,
                         reject_stale_sequences, veto_catastrophic_sequences)
 from .measures import Reduce, measure_batch, measure_by_lag, mismatch_seq_metrics
 from .seq_table import TableSchema, group_rollouts, per_sample, rollout_seq_metrics
+from .stage_values import Outcome, SeqWeights
 from .token_terms import TokenTerms
 from .weighing import final_sequence_extremes, final_weight_statistics, normalise, sum_kept_weights
 

@@ -3,7 +3,7 @@ metrics, where the mismatch lives and the batch gate's statistics, and the metri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -13,9 +13,7 @@ from ..config import MisConfig
 from ..tensors.ops import LOG_RATIO_CLAMP
 from ..tensors.packed_batch import PackedBatch
 from .batch_values import HISTOGRAM_START
-
-if TYPE_CHECKING:
-    from .decisions import SeqWeights
+from .stage_values import SeqWeights
 
 Reduce = Callable[[Tensor], Tensor]  # a reduction over the DP group (the identity for a micro-batch scope)
 

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from ..config import MisConfig
 from ..tensors import ops
-from .decisions import Outcome, SeqWeights
 from .measures import Reduce
 from .seq_table import EMPTY_MAX_WEIGHT, NO_TOKEN
+from .stage_values import Outcome, SeqWeights
 
 
 NORMALIZE_MIN_MEAN = 1e-8  # batch normalisation is skipped when the mean weight is below this
