@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from miles_mis import cli
+from miles_mis import MisConfig, cli, compute_mis_weights
 from miles_mis.analyze import NONFINITE_LIMIT, analyze as run_analysis
 
 
@@ -454,3 +454,61 @@ def test_negative_mask_values_are_valid_like_in_the_plugin(tmp_path):
     write_dump(tmp_path, {0: [(old, old - 0.1, -torch.ones(4))]})
     stats = run_analysis(tmp_path).statistics
     assert stats["tokens"] == 4 and stats["k1"] == pytest.approx(-0.1, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- the user's own configs (--config)
+def write_config_file(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_your_configs_are_evaluated_beside_the_candidates(tmp_path, capsys):
+    """--config (repeatable): a fixed and an adaptive config in the candidates' table under "yours: FILE", with the
+    plugin's numbers; the recommendation is still a candidate's."""
+    dump = tmp_path / "dump"
+    write_dump(dump, {0: batch(3, 0.05)})
+    fixed = write_config_file(tmp_path / "fixed.yaml", "tis_mode: truncate\ntis_upper_bound: 1.05\n")
+    auto = write_config_file(tmp_path / "auto.yaml", "tis_upper_bound: auto\ntis_auto_target_ess: 0.99\n")
+    out = markdown(capsys, dump, "--config", fixed, "--config", auto)
+    assert f"yours: {fixed}" in out and f"yours: {auto}" in out
+    result = run_analysis(dump, configs={str(fixed): MisConfig(use_tis=True, tis_upper_bound=1.05)})
+    mine = result.results[f"yours: {fixed}"]
+    assert mine["config"]["tis_upper_bound"] == 1.05 and 0 < mine["bounded_fraction"] < 1
+    assert not result.recommendation.name.startswith("yours: ")
+    # what the plugin does on the same tokens: every token kept, weights min(ρ, 1.05)
+    samples = batch(3, 0.05)
+    ratio = torch.cat([(old - rollout).clamp(-20, 20).exp() for old, rollout, _ in samples])
+    assert mine["bounded_fraction"] == pytest.approx(float((ratio > 1.05).double().mean()), rel=1e-6)
+    assert mine["max_final_weight"] == pytest.approx(1.05)
+
+
+def test_a_config_needing_an_input_the_dump_lacks_is_refused(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    write_dump(dump, {0: batch(4, 0.05)})
+    lagged = write_config_file(tmp_path / "lag.yaml", "tis_upper_bound_by_lag: [2.0, 1.5]\n")
+    message = one_line_error(*analyze(capsys, dump, "--config", lagged)[::2])
+    assert f"--config {lagged}: tis_upper_bound_by_lag need" in message and "version" in message
+    bad = write_config_file(tmp_path / "bad.yaml", "tis_mode: truncated\n")
+    assert str(bad) in one_line_error(*analyze(capsys, dump, "--config", bad)[::2])
+
+
+def test_a_lag_keyed_config_runs_on_a_dump_with_lags(tmp_path, capsys):
+    """With each sample's version_lag in the dump (the lab's dumps), a per-lag bound evaluates as the plugin
+    computes it with those lags."""
+    dump = tmp_path / "dump"
+    out = write_dump(dump, {0: batch(5, 0.05)})
+    path = out / "rank_0_call_0.pt"
+    data = torch.load(path, weights_only=True)
+    for i, sample in enumerate(data["samples"]):
+        sample["version_lag"] = i % 3
+    torch.save(data, path)
+    lagged = write_config_file(tmp_path / "lag.yaml", "tis_upper_bound_by_lag: [2.0, 1.1, 1.02]\n")
+    config = MisConfig(use_tis=True, tis_upper_bound_by_lag=[2.0, 1.1, 1.02])
+    row = run_analysis(dump, configs={str(lagged): config}).results[f"yours: {lagged}"]
+    samples = batch(5, 0.05)
+    weights, _, _ = compute_mis_weights(config, train_log_probs=[s[0] for s in samples],
+                                            rollout_log_probs=[s[1] for s in samples],
+                                            loss_masks=[s[2] for s in samples], version_lags=[i % 3 for i in range(16)])
+    assert row["max_final_weight"] == pytest.approx(float(torch.cat(weights).max()))
+    assert row["mean_final_weight"] == pytest.approx(float(torch.cat(weights).double().mean()), rel=1e-6)
+    assert "yours: " in markdown(capsys, dump, "--config", lagged)

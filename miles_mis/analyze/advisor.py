@@ -72,6 +72,7 @@ from torch import Tensor
 from .. import correction
 from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
+from ..correction.staleness import LAG_KEYS
 from ..plugin import pack_sequences
 from ..tensors import ops
 
@@ -180,6 +181,7 @@ class _Prepared:
     abs_advantages: Tensor  # [N] |A_t|
     sums: dict[str, float]  # valid, sequences, abs_adv, adv_tokens
     directional: Any  # the packed batch with the advantages' signs, for the directional candidates
+    lags: Tensor | None = None  # [B] int64 each sequence's version lag, when the dump has every one of them
 
 
 class CandidateEvaluator:
@@ -250,7 +252,9 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
             "sequences": float((packed.batch.per_seq_sum(valid) > 0).sum()),
             "abs_adv": float(magnitude.sum(dtype=torch.float64)), "adv_tokens": float(has.sum(dtype=torch.float64))}
     directional = dataclasses.replace(packed.batch, advantage_signs=flat.sign())
-    return _Prepared(packed, flat, magnitude, sums, directional)
+    lags = [batch.lags[i] for i in indices]
+    lags = None if any(lag is None for lag in lags) else torch.tensor(lags, dtype=torch.long, device=device)
+    return _Prepared(packed, flat, magnitude, sums, directional, lags)
 
 
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
@@ -260,6 +264,12 @@ def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float]
     (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
     """
     batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
+    if config.use_tis and any(getattr(config, key) is not None for key in LAG_KEYS):  # a lag-keyed config
+        if prepared.lags is None:
+            raise ValueError(f"{', '.join(key for key in LAG_KEYS if getattr(config, key) is not None)} need each "
+                             "sequence's version lag, which this dump's call lacks")
+        batch = dataclasses.replace(batch, lags=prepared.lags, lag_mean=float(prepared.lags.double().mean())
+                                    if prepared.lags.numel() else 0.0)
     result = correction.correct(batch, config)
     keep = result.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
     # 0 where rejected; metrics-only: the valid tokens' 0/1, which token_keep is then

@@ -13,6 +13,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Mapping
+
+from ..config import MisConfig, load_yaml_mapping
+from ..correction.divergence import DIRECTIONAL
+from ..correction.staleness import LAG_KEYS
+from ..inputs.advantages import needed as reads_advantages
 from . import advisor, report
 from .reading import DumpReader
 from .statistics import StatisticsAccumulator
@@ -24,19 +30,25 @@ NONFINITE_LIMIT = advisor.NONFINITE_LIMIT
 class Analysis:
     directory: Path
     statistics: dict
-    results: dict  # candidate name -> its figures on the dumped tokens
+    results: dict  # candidate name -> its figures on the dumped tokens (the user's configs too, named "yours: ...")
     recommendation: advisor.Recommendation
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
 
 
 def analyze(directory: Path | str, allow_partial: bool = False, progress: bool = False,
-            timings: bool = False) -> Analysis:
-    """Read, measure and advise on one dump directory (ValueError with one line for anything wrong)."""
+            timings: bool = False, configs: Mapping[str, MisConfig] | None = None) -> Analysis:
+    """Read, measure and advise on one dump directory (ValueError with one line for anything wrong).
+
+    ``configs``: the user's own configs (name -> MisConfig), evaluated on the dump beside the candidates and shown
+    with them; the recommendation is chosen among the candidates only. A config that needs an input the dump lacks
+    (each sequence's lag, the advantages) is refused, naming the key and the input."""
     reader = DumpReader(directory, allow_partial=allow_partial, progress=progress)
     started = time.perf_counter()
     accumulator = StatisticsAccumulator(files=len(reader.files))
+    inputs = DumpInputs()
     for batch in reader.batches():
         accumulator.update(batch)
+        inputs.update(batch)
     statistics = accumulator.result()
     statistics["warnings"] = list(reader.warnings)
     if statistics["tokens"] == 0:
@@ -45,15 +57,54 @@ def analyze(directory: Path | str, allow_partial: bool = False, progress: bool =
     seconds = {"statistics pass": time.perf_counter() - started}
     broken = statistics["nonfinite_fraction"] > NONFINITE_LIMIT  # nothing to judge a correction on
     candidates = {} if broken else advisor.candidate_grid(statistics)
+    yours = {f"{YOURS}{name}": config for name, config in (configs or {}).items()}
+    for name, config in yours.items():
+        inputs.require(name, config)
     started = time.perf_counter()
-    evaluator = advisor.CandidateEvaluator(candidates)
-    if candidates:
+    evaluator = advisor.CandidateEvaluator({**candidates, **yours})
+    if candidates or yours:
         for batch in reader.batches():
             evaluator.update(batch)
-        seconds[f"advisor pass ({len(candidates)} candidates)"] = time.perf_counter() - started
+        seconds[f"advisor pass ({len(candidates) + len(yours)} configs)"] = time.perf_counter() - started
     results = evaluator.results()
-    recommendation = advisor.recommend(statistics, results)
+    recommendation = advisor.recommend(statistics, {name: row for name, row in results.items() if name not in yours})
     return Analysis(Path(directory), statistics, results, recommendation, seconds if timings else {})
+
+
+YOURS = "yours: "  # the prefix of a user's config in the results
+
+
+class DumpInputs:
+    """Which optional inputs every dumped sequence carries (its version lag, its advantages): a user's config that
+    needs one the dump lacks is refused before the advisor pass, instead of evaluating as if it were absent."""
+
+    def __init__(self):
+        self.sequences = self.with_lags = self.with_advantages = 0
+
+    def update(self, batch) -> None:
+        self.sequences += len(batch.calls)
+        self.with_lags += sum(lag is not None for lag in batch.lags)
+        self.with_advantages += sum(value is not None for value in batch.advantages)
+
+    def require(self, name: str, config: MisConfig) -> None:
+        lag_keys = [key for key in LAG_KEYS if getattr(config, key) is not None]
+        if config.use_tis and lag_keys and self.with_lags < self.sequences:
+            raise ValueError(f"--config {name[len(YOURS):]}: {' and '.join(lag_keys)} need each sequence's version "
+                             f"lag, but {self.sequences - self.with_lags} of the dump's {self.sequences} sequences have "
+                             "none (the lab's dumps record version_lag; miles' do not): drop the lag keys to evaluate it")
+        if config.use_tis and reads_advantages(config) and self.with_advantages < self.sequences:
+            options = ", ".join(option for option, _, _ in config.rs_divergence if option.split("_")[-1] in DIRECTIONAL)
+            raise ValueError(f"--config {name[len(YOURS):]}: {options} read the advantages, but "
+                             f"{self.sequences - self.with_advantages} of the dump's {self.sequences} sequences have "
+                             "none: dump them (miles' --dump-details keeps batch['advantages'])")
+
+
+def load_config(path: Path) -> tuple[str, MisConfig]:
+    """A user's ``--config`` file as the plugin reads it with ``--use-tis`` (``use_tis: true`` unless the file sets
+    it): (its name in the report, the config); one-line errors naming the file."""
+    values = load_yaml_mapping(path)
+    values.setdefault("use_tis", True)
+    return str(path), MisConfig.from_dict(values, source=str(path))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,13 +123,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="analyse an incomplete dump (a call lacking a rank, a sequence short of its "
                              "response_length) with a warning, instead of refusing it")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    parser.add_argument("--config", type=Path, action="append", default=None, metavar="FILE", dest="configs",
+                        help="also evaluate your own mis.yaml on the dump, in the candidates' table (repeatable; "
+                             "use_tis: true unless the file sets it; default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """The command: one-line errors (``error: ...``, exit 1), never a traceback for bad input."""
     try:
-        first = analyze(args.dump_dir, allow_partial=args.allow_partial, progress=True)
-        second = analyze(args.compare, allow_partial=args.allow_partial, progress=True) if args.compare else None
+        configs = dict(load_config(path) for path in args.configs or ())
+        first = analyze(args.dump_dir, allow_partial=args.allow_partial, progress=True, configs=configs)
+        second = (analyze(args.compare, allow_partial=args.allow_partial, progress=True, configs=configs)
+                  if args.compare else None)
         if args.write_config:
             if first.recommendation.config is None:
                 raise ValueError(f"--write-config {args.write_config}: nothing written, there is no recommendation "
