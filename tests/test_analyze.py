@@ -105,8 +105,8 @@ def test_a_bypass_dump_is_not_called_safe_nor_agreeing(tmp_path, monkeypatch):
     assert "bypass-mode dump" in result.recommendation.reasons[-1] and "unfounded" in result.recommendation.reasons[-1]
     assert cli.main(["analyze", str(tmp_path / "bypass"), "--out-dir", str(tmp_path / "out"), "--no-figures"]) == 0
     assert "Not readable from this dump" in (tmp_path / "out" / "report.md").read_text()
-    assert "Safe by measurement" not in (tmp_path / "out" / "report.md").read_text()
-    # one token off by 1e-7: a nearly agreeing engine, read as usual (safe below the measured level)
+    assert "No resolved effect in the lab" not in (tmp_path / "out" / "report.md").read_text()
+    # one token off by 1e-7: a nearly agreeing engine, read as usual (below the level where the lab saw no effect)
     old, rollout, mask = samples[0]
     rollout = rollout.clone()
     rollout[3] += 1e-7
@@ -114,7 +114,7 @@ def test_a_bypass_dump_is_not_called_safe_nor_agreeing(tmp_path, monkeypatch):
     write_dump(tmp_path / "close", {0: samples})
     close = run_analysis(tmp_path / "close")
     assert close.statistics["identical_fraction"] == pytest.approx(639 / 640)
-    assert safe_level.for_dump(close.statistics, curve).startswith("Safe by measurement")
+    assert safe_level.for_dump(close.statistics, curve).startswith("No resolved effect in the lab")
     assert "bypass-mode" not in close.recommendation.reasons[-1] and "agrees" in close.recommendation.reasons[-1]
 
 

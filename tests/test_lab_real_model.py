@@ -285,8 +285,8 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
     assert row["mis_unreplayed_truncation"] == 0.0 and 0.3 < row["mis_log_ratio_negative_fraction"] < 0.7
     assert "no sign of unreplayed truncated sampling" in captured.out
     assert "no sign of unreplayed truncated sampling" in (tmp_path / "analysis" / "report.md").read_text()
-    # the same real dumps against a measured safe level above their k3, then against one where correction mattered
-    # below it: the report and report.json say safe, then above the safe level with the correction that won
+    # the same real dumps against a measured no-effect level above their k3, then against one where correction mattered
+    # below it: the report and report.json say no resolved effect there, then above it with the correction that won
     for name, curve, words in (("safe", _curve(10 * row["k3"], 100 * row["k3"]),
                                 "not excluded at 4 seeds), measured on SmolLM2-135M-Instruct"),
                                ("above", _curve(row["k3"] / 100, row["k3"] / 10), "Correct: decoupled_tis won there")):

@@ -175,9 +175,9 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     verdicts.write_curve(verdicts.curve(rows), rows, path)
     curve = safe_level.load(path)
     assert curve["steps"] == 20 and curve["levels"]["standard"]["matters_at"]["correction"] == "decoupled_tis"
-    assert safe_level.sentence(1e-3, curve).startswith("Safe by measurement: k3 = 1.00e-03 is at or below 1.30e-03 (bf16)")
+    assert safe_level.sentence(1e-3, curve).startswith("No resolved effect in the lab at this level: k3 = 1.00e-03 is at or below 1.30e-03 (bf16)")
     assert "(a gain up to +0.567 reward is not excluded at 2 seeds)" in safe_level.sentence(1e-3, curve)
-    assert safe_level.sentence(5e-2, curve).startswith("Above the safe level: k3 = 5.00e-02 is at or above 4.00e-02 "
+    assert safe_level.sentence(5e-2, curve).startswith("Above the lab's no-effect level: k3 = 5.00e-02 is at or above 4.00e-02 "
                                                        "(bf16 + fp8 weights), where decoupled_tis beat standard PPO by "
                                                        "+0.303 reward [+0.289, +0.318] over 3 seeds")
     assert "Between the measured levels" in safe_level.sentence(1e-2, curve)
@@ -185,7 +185,7 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     # nothing resolved anywhere: safe within the measured range, unmeasured above it
     flat = verdicts.curve(rows[:4])
     verdicts.write_curve(flat, rows[:4], path)
-    assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("Safe by measurement: k3 = 1.00e-03 is at")
+    assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("No resolved effect in the lab at this level: k3 = 1.00e-03 is at")
     assert safe_level.sentence(1e-1, safe_level.load(path)).startswith("Not measured: k3 = 1.00e-01 is above every regime")
     assert "(the largest: 1.30e-03, bf16)" in safe_level.sentence(1e-1, safe_level.load(path))
 
@@ -203,9 +203,9 @@ def test_the_analyzer_names_bypass_where_bypass_lost(verdicts, tmp_path):
     path = tmp_path / "curve.json"
     verdicts.write_curve(verdicts.curve(rows), rows, path)
     curve = safe_level.load(path)
-    at_fp8 = safe_level.sentence(4e-2, curve)
+    at_fp8 = safe_level.sentence(4e-2, curve, [])
     # over bypass at fp8: +0.32, +0.28, +0.4: mean 0.3333, sd 0.0611, half-width t(2) 4.303·0.0611/√3 = 0.1518
-    assert at_fp8.startswith("Safe by measurement: k3 = 4.00e-02 is at or below 4.00e-02 (bf16 + fp8 weights)")
+    assert at_fp8.startswith("No resolved effect in the lab at this level: k3 = 4.00e-02 is at or below 4.00e-02 (bf16 + fp8 weights)")
     assert at_fp8.endswith("Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
                            "4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.333 reward [+0.182, +0.485] "
                            "over 3 seeds; recompute π_old.")
@@ -229,10 +229,10 @@ def test_the_bypass_clause_cites_the_nearest_level_where_bypass_lost(verdicts, t
     assert curve["levels"]["bypass"]["matters_at"]["regime"] == "async lags 0..4"
     # over bypass, async: +0.06, +0.06, +0.08, +0.04: mean 0.06, sd 0.01633, half 3.1824·0.01633/2 = 0.02598;
     # fp8: +0.32, +0.31, +0.42, +0.30: mean 0.3375, sd 0.05560, half 0.08848
-    assert safe_level.sentence(5e-2, curve).endswith(
+    assert safe_level.sentence(5e-2, curve, []).endswith(
         "at k3 = 4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.338 reward [+0.249, +0.426] over 4 "
         "seeds; recompute π_old.")
-    assert safe_level.sentence(1e-2, curve).endswith(
+    assert safe_level.sentence(1e-2, curve, []).endswith(
         "at k3 = 3.40e-03 (async lags 0..4) decoupled_tis beat bypass by +0.060 reward [+0.034, +0.086] over 4 seeds; "
         "recompute π_old.")
     assert "bypass mode" not in safe_level.sentence(1e-3, curve)
@@ -240,7 +240,7 @@ def test_the_bypass_clause_cites_the_nearest_level_where_bypass_lost(verdicts, t
 
 def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_path):
     """The sweep's shape: seq_mis beats standard PPO at the async level (4 seeds) and loses to it under fp8 weights.
-    A dump at fp8's k3 is above the safe level, but the advice comes from the nearest measured level below it: no
+    A dump at fp8's k3 is above the lab's no-effect level, but the advice comes from the nearest measured level below it: no
     correction won there and seq_mis lost, so it is not advised; a dump between the two levels is told seq_mis won."""
     from miles_mis.analyze import safe_level
 
@@ -258,11 +258,11 @@ def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_pat
                                                         "high": pytest.approx(-0.1227, abs=1e-4), "seeds": 4}]
     assert points[0]["gaps"]["standard"]["losses"] == []
     curve = safe_level.load(path)
-    between = safe_level.sentence(1e-2, curve)
-    assert between.startswith("Above the safe level: k3 = 1.00e-02 is at or above 3.40e-03 (async lags 0..4), where "
+    between = safe_level.sentence(1e-2, curve, [])
+    assert between.startswith("Above the lab's no-effect level: k3 = 1.00e-02 is at or above 3.40e-03 (async lags 0..4), where "
                               "seq_mis beat standard PPO by +0.045 reward [+0.015, +0.075] over 4 seeds")
     assert between.endswith("Correct: seq_mis won there.")
-    at_fp8 = safe_level.sentence(5e-2, curve)
+    at_fp8 = safe_level.sentence(5e-2, curve, [])
     assert "Correct:" not in at_fp8
     assert at_fp8.endswith("Nearer this k3, at 4.00e-02 (bf16 + fp8 weights), no correction beat standard PPO "
                            "resolvably, and seq_mis lost to it by -0.163 reward [-0.202, -0.123] over 4 seeds: do not "

@@ -73,7 +73,7 @@ from .. import correction
 from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..correction.staleness import LAG_KEYS
-from ..plugin import pack_sequences
+from ..inputs import pack_sequences
 from ..tensors import ops
 
 if TYPE_CHECKING:

@@ -190,7 +190,7 @@ def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
 def _safe_level_section(statistics: Mapping[str, Any]) -> list[str]:
     """This dump's k3 against the mismatch measured safe on a real model (``safe_level``), when one is shipped."""
     text = _safe_level.for_dump(statistics, _safe_level.load())
-    return [] if text is None else ["## Is this mismatch safe?", "", text, ""]
+    return [] if text is None else ["## Does this mismatch need a correction?", "", text, ""]
 
 
 def _figures_note() -> str:

@@ -8,7 +8,10 @@ PPO with a 95 % interval, and from those two levels:
   gain the intervals there leave open (``not_excluded``, at ``seeds`` seeds);
 - ``matters_at``: the first (smallest-k3) regime where one did, and which correction.
 
-``sentence`` places a dump's k3 against them. Without the file (no measurement shipped) it says nothing.
+``sentence`` places a dump's k3 against them and against the published production outcomes (``published``): the lab
+is a 135M model on short responses over tens of steps, so a level where it saw no effect is said as that, never as
+"safe", and the runs that collapsed at or below the level, or at unstated levels, are named with what held there.
+Without the curve (no measurement shipped) it says nothing.
 ``for_dump`` does so for a dump's statistics, except where π_old equals the rollout log-probs bit for bit on every
 token: a dump written in bypass mode (``--use-rollout-logprobs``: miles dumps the rollout log-probs as π_old) shows
 k3 = 0 whatever the engine, so nothing about safety can be read from it, and it says so (with what bypass cost where
@@ -22,6 +25,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import published
+
 CURVE = Path(__file__).with_name("safe_mismatch.json")
 
 
@@ -33,18 +38,23 @@ def load(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def sentence(k3: Any, curve: Mapping[str, Any] | None) -> str | None:
+def sentence(k3: Any, curve: Mapping[str, Any] | None, outcomes: list | None = None) -> str | None:
     """Where ``k3`` lies against the measured levels for standard PPO, in one or two sentences, and, at or above the
-    level where a correction beat bypass, that bypass lost there; None without a curve or a finite k3."""
+    level where a correction beat bypass, that bypass lost there; then against the published outcomes (``outcomes``:
+    ``published.load()`` by default). None without a curve or a finite k3."""
     if curve is None or k3 is None or not math.isfinite(float(k3)):
         return None
+    outcomes = published.load() if outcomes is None else outcomes
     text = _standard_sentence(float(k3), curve)
     lost = _bypass_lost(float(k3), curve)
-    if text is None or lost is None:
+    if text is not None and lost is not None:
+        text = (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
+                f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat bypass by {lost['mean']:+.3f} reward "
+                f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old.")
+    evidence = published.sentence(float(k3), outcomes)
+    if text is None or evidence is None:
         return text
-    return (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
-            f"{lost['k3']:.2e} ({lost['regime']}) {lost['correction']} beat bypass by {lost['mean']:+.3f} reward "
-            f"[{lost['low']:+.3f}, {lost['high']:+.3f}] over {lost['seeds']} seeds; recompute π_old.")
+    return f"{text} {evidence}"
 
 
 def _bypass_lost(k3: float, curve: Mapping[str, Any]) -> dict | None:
@@ -73,29 +83,31 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
     where = (f"measured on {curve['model']} ({curve['engine']}, paired RL runs of {curve['steps']} steps; "
              f"{curve['docs']})")
     if safe is not None and k3 <= safe["k3"]:
-        return (f"Safe by measurement: k3 = {k3:.2e} is at or below {safe['k3']:.2e} ({safe['regime']}), up to which no "
-                f"correction changed standard PPO's final reward resolvably (a gain up to {safe['not_excluded']:+.3f} "
-                f"reward is not excluded at {safe['seeds']} seeds), {where}. A correction is cheap insurance here, "
-                "not a need.")
+        return (f"No resolved effect in the lab at this level: k3 = {k3:.2e} is at or below {safe['k3']:.2e} "
+                f"({safe['regime']}), up to which no correction changed standard PPO's final reward resolvably (a gain "
+                f"up to {safe['not_excluded']:+.3f} reward is not excluded at {safe['seeds']} seeds), {where}: a small "
+                "model, short responses and a short horizon, which cannot show a collapse after hundreds of steps. "
+                "Use a correction: it cost nothing measurable there, and longer responses, an MoE model or "
+                "asynchronous training make a collapse likelier.")
     if matters is not None and k3 >= matters["k3"]:
-        text = (f"Above the safe level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
+        text = (f"Above the lab's no-effect level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
                 f"{matters['correction']} beat standard PPO by {matters['mean']:+.3f} reward "
                 f"[{matters['low']:+.3f}, {matters['high']:+.3f}] over {matters['seeds']} seeds, {where}.")
         return f"{text} {_nearest_sentence(k3, curve, matters)}"
-    if matters is None:  # then k3 is above the safe level, or nothing was paired at all
+    if matters is None:  # then k3 is above the no-effect level, or nothing was paired at all
         if safe is None:
             return None
         return (f"Not measured: k3 = {k3:.2e} is above every regime {where} (the largest: {safe['k3']:.2e}, "
                 f"{safe['regime']}), none of which showed a resolved gain from a correction. Correct, and watch the "
                 "reward.")
     low = "0" if safe is None else f"{safe['k3']:.2e} ({safe['regime']})"
-    return (f"Between the measured levels: k3 = {k3:.2e} lies between the safe level {low} and the first level where a "
+    return (f"Between the measured levels: k3 = {k3:.2e} lies between the lab's no-effect level {low} and the first level where a "
             f"correction mattered, {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}), {where}. No "
             "measurement decides it: correct if unsure.")
 
 
 def _nearest_sentence(k3: float, curve: Mapping[str, Any], matters: Mapping[str, Any]) -> str:
-    """The advice above the safe level, from the measured regime nearest below ``k3`` (the curve need not be
+    """The advice above the no-effect level, from the measured regime nearest below ``k3`` (the curve need not be
     monotone: a correction that won at one level can lose at a higher one)."""
     nearest = _nearest_below(k3, curve, lambda gaps: "standard" in gaps)
     if nearest is None or nearest["regime"] == matters["regime"]:

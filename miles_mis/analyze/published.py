@@ -1,0 +1,122 @@
+"""Published production outcomes at a given mismatch: the rows the analyzer weighs beside the lab's measurements.
+
+``published_outcomes.json`` (beside this module) holds runs from papers, blogs, PRs and issues, each row written from
+its source (``url``): the model, its mismatch as published (``mismatch_metric``/``mismatch_value``) and as k3 only where
+the source's own formula is k3 or a stated conversion gives it (``k3_equivalent``, a number or [low, high];
+``k3_note`` says which), the horizon, the outcome (collapsed, degraded, stable, improved; ``outcome_step``) and which
+corrections held or failed. "When Speed Kills Stability"'s vllm-kl and prime-rl's mismatch_kl are computed as
+e^d − d − 1 per token, which is k3; miles' train_rollout_kl is the same per token, averaged per sample first.
+
+The lab measures a 135M model on short responses over tens of steps; these runs are production models over hundreds
+to thousands of steps, so the analyzer never calls a level safe where one of them went wrong at or below it, or at a
+level its source does not state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+OUTCOMES = Path(__file__).with_name("published_outcomes.json")
+WENT_WRONG = ("collapsed",)  # a degraded row is a correction's cost (a too-tight mask), not the mismatch's
+CORRECTION_WORDS = ("TIS", "MIS", "masking", "sequence-level")  # the weight corrections among a row's remedies
+OUTCOME_VALUES = ("collapsed", "degraded", "stable", "improved")
+
+
+def load(path: Path | None = None) -> list[dict]:
+    """The shipped rows (an empty list without the file)."""
+    path = OUTCOMES if path is None else Path(path)
+    if not path.exists():
+        return []
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def k3_range(row: Mapping[str, Any]) -> tuple[float, float] | None:
+    """A row's k3 as (low, high) (a single value twice); None where its source states none."""
+    value = row.get("k3_equivalent")
+    if value is None:
+        return None
+    low, high = (value, value) if isinstance(value, (int, float)) else value
+    return float(low), float(high)
+
+
+def went_wrong_at_or_below(k3: float, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows that collapsed at a stated k3 whose low end is at or below ``k3``, nearest level first."""
+    hits = [row for row in rows if row.get("outcome") in WENT_WRONG and (k3_range(row) or (float("inf"),))[0] <= k3]
+    return sorted(hits, key=lambda row: -k3_range(row)[0])
+
+
+def went_wrong_unstated(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The runs that collapsed at a level their source does not state numerically (one per model and source)."""
+    out, seen = [], set()
+    for row in rows:
+        key = (str(row.get("model", "")).split(" (")[0], row.get("source"))
+        if row.get("outcome") in WENT_WRONG and k3_range(row) is None and key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+def held_corrections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(correction, row) of every weight correction (TIS, MIS, a sequence mask) a row reports as having held or been
+    best, one per source: what a user can switch on (not a hardware change or a "did no harm")."""
+    out, sources = [], set()
+    for row in rows:
+        for correction in row.get("corrections", []):
+            result, name = str(correction.get("result", "")), correction["name"]
+            if (result.startswith(("held", "best")) and "no harm" not in result
+                    and any(word in name for word in CORRECTION_WORDS) and row.get("source") not in sources):
+                sources.add(row.get("source"))
+                out.append((name, row))
+    return out
+
+
+def describe(row: Mapping[str, Any]) -> str:
+    """One row in a few words: model, level, what happened and when, and its source."""
+    level = k3_range(row)
+    if level is None:
+        at = "at a level its source gives only in figures" if row.get("mismatch_metric") else "at an unstated level"
+    else:
+        metric = row.get("mismatch_metric") or "k3"
+        at = f"at {metric} {_span(level)}" + ("" if metric == "k3" else " (= k3)")
+    step = row.get("outcome_step") or row.get("steps")
+    when = f" by step {step}" if step and row.get("outcome") in WENT_WRONG else ""
+    model = str(row.get("model", "")).split(" (")[0]
+    return f"{model} {row['outcome']}{when} {at} ({_short_source(row)})"
+
+
+def sentence(k3: float, rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where ``k3`` lies against the published outcomes, in one or two sentences; None without rows."""
+    if not rows:
+        return None
+    below = went_wrong_at_or_below(k3, rows)
+    unstated = went_wrong_unstated(rows)
+    parts = []
+    if below:
+        parts.append("Published runs went wrong at or below this level: "
+                     + "; ".join(describe(row) for row in below[:3]) + ".")
+    else:
+        lowest = min((row for row in rows if row.get("outcome") in WENT_WRONG and k3_range(row) is not None),
+                     key=lambda row: k3_range(row)[0], default=None)
+        if lowest is not None:
+            parts.append(f"The lowest published level where a run went wrong is above this one: {describe(lowest)}.")
+    if unstated:
+        parts.append("Others collapsed at levels their sources do not state: "
+                     + "; ".join(describe(row) for row in unstated[:2]) + ".")
+    held = held_corrections(rows)
+    if held:
+        parts.append("Corrections that held in published runs: " + "; ".join(
+            f"{name} ({str(row.get('model', '')).split(' (')[0]}, {_short_source(row)})" for name, row in held[:3]) + ".")
+    return " ".join(parts) or None
+
+
+def _span(level: tuple[float, float]) -> str:
+    low, high = level
+    return f"{low:.1e}" if low == high else f"{low:.1e}–{high:.1e}"
+
+
+def _short_source(row: Mapping[str, Any]) -> str:
+    """The source's short title (before a colon, a slash or a parenthesis) and its date."""
+    title = str(row.get("source", "")).split(":")[0].split(" / ")[0].split(" (")[0].strip()
+    return title + (f", {row['date']}" if row.get("date") else "")
