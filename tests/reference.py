@@ -165,7 +165,7 @@ def divergence_reference(cfg, sequences, put):
 
 
 def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, float]:
-    """The unreplayed-truncation detector (miles_mis/truncated_sampling.py) over the usable tokens, written out; with
+    """The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over the usable tokens, written out; with
     ``sizes`` (each usable token's kept-set size, 0 = not recorded) the sampling-mask metrics too."""
     from miles_mis.correction import truncated_sampling
 

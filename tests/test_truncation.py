@@ -1,4 +1,4 @@
-"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/truncated_sampling.py, sampling_mask.py): hand
+"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/correction/truncated_sampling.py, sampling_mask.py): hand
 cases, every form a host passes the masks in, bad inputs, and every CP rank against cp = 1."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The unreplayed-truncation detector (miles_mis/truncated_sampling.py) over a whole dump, and what it means in words.
+"""The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over a whole dump, and what it means in words.
 
 The same sums the plugin's live metrics use, over every usable token of the dump: the share of log ratios below 0
 and their mean over their spread. ``miles-mis analyze`` and ``miles-mis measure`` print ``advice``.
@@ -6,7 +6,6 @@ and their mean over their spread. ``miles-mis analyze`` and ``miles-mis measure`
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..correction import truncated_sampling
