@@ -23,6 +23,7 @@ from torch import Tensor
 from ..parallel import distributed
 from ..config import host_setting
 from ..parallel.cp_layout import QKV_FORMATS, LocalLayout, zigzag_layout
+from ..tensors import ops
 from ..tensors.packed_batch import PackedBatch
 
 
@@ -173,7 +174,7 @@ def _concatenate(lists, local_lengths: list[int]) -> list[Tensor]:
     flat = None
     try:
         if local_lengths == list(map(Tensor.numel, lists[1][1])):
-            flat = [_without_history(torch.cat(list(seq))) if len(seq) else torch.zeros(0) for _, seq in lists]
+            flat = [ops.without_history(torch.cat(list(seq))) if len(seq) else torch.zeros(0) for _, seq in lists]
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):  # mixed dims/devices, odd tensors
         flat = None
     if flat is None or not all(_plain_1d(f) for f in flat):
@@ -313,11 +314,6 @@ def _may_hold_nonfinite(mask: Tensor) -> Tensor:
     finite values also is, so True must be confirmed by ``torch.isfinite``). A sum reads the mask once and
     writes nothing: 10-20x cheaper than ``torch.isfinite(mask).all()`` on CPU."""
     return ~torch.isfinite(mask.sum(dtype=torch.float64 if mask.dtype == torch.float64 else torch.float32))
-
-
-def _without_history(value: Tensor) -> Tensor:
-    """``value`` detached; no op when it carries no autograd history."""
-    return value.detach() if value.requires_grad else value
 
 
 def long_tensor(values: list[int], device) -> Tensor:

@@ -113,6 +113,12 @@ def ess(sum_w: Tensor, sum_w_sq: Tensor, count: Tensor, empty: float) -> Tensor:
     return torch.where(denominator > 0, sum_w.square() / denominator.clamp(min=1e-300), empty)
 
 
+def without_history(value: Tensor) -> Tensor:
+    """``value`` without autograd history; no op when it has none (a detach is an aten op: the entry points detach
+    their inputs and ~40 metrics a call, so a tensor without history is passed through)."""
+    return value.detach() if value.requires_grad else value
+
+
 _CONSTANTS: dict = {}
 
 
