@@ -329,6 +329,7 @@ def ops_per_packed_call(config, num_seqs):
 
 @pytest.mark.parametrize("config", OP_COUNT_CONFIGS, ids=OP_COUNT_IDS)
 def test_packed_op_count_does_not_grow_with_batch_size(config):
+    ops_per_packed_call(config, 8)  # the first call of a process builds cached constants (ops.constant): not counted
     assert ops_per_packed_call(config, 8) == ops_per_packed_call(config, 64) == ops_per_packed_call(config, 512)
 
 

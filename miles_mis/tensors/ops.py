@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
+import struct
 
 import torch
 from torch import Tensor
@@ -48,7 +48,6 @@ def expm1(x: Tensor) -> Tensor:
     return torch.where(x.abs() < 1.0, x * series, torch.exp(x) - 1.0)
 
 
-@functools.lru_cache(maxsize=256)  # a config's few bounds: computed once per process, not once per call
 def log_bound(bound: float) -> float:
     """A ratio bound B as the log-ratio threshold token decisions compare with: ln B rounded to float32, −inf below
     −LOG_RATIO_CLAMP and +inf above +LOG_RATIO_CLAMP, so that for a float32 log ratio ℓ (unclamped)
@@ -64,7 +63,8 @@ def log_bound(bound: float) -> float:
         return math.inf
     if value <= -LOG_RATIO_CLAMP:
         return -math.inf
-    return float(torch.tensor(value, dtype=torch.float32))
+    # rounded to float32 in Python (round to nearest even, as torch does): no tensor op, on the first call or any
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def log_bounds(bounds: Tensor) -> Tensor:
