@@ -72,7 +72,7 @@ from torch import Tensor
 from .. import correction
 from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
-from ..correction.staleness import LAG_KEYS
+from ..correction import staleness
 from ..inputs import pack_sequences
 from ..tensors import ops
 
@@ -182,6 +182,7 @@ class _Prepared:
     sums: dict[str, float]  # valid, sequences, abs_adv, adv_tokens
     directional: Any  # the packed batch with the advantages' signs, for the directional candidates
     lags: Tensor | None = None  # [B] int64 each sequence's version lag, when the dump has every one of them
+    lag_mean: float = 0.0  # their mean, as the plugin takes it from the host's list
 
 
 class CandidateEvaluator:
@@ -253,8 +254,10 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
             "abs_adv": float(magnitude.sum(dtype=torch.float64)), "adv_tokens": float(has.sum(dtype=torch.float64))}
     directional = dataclasses.replace(packed.batch, advantage_signs=flat.sign())
     lags = [batch.lags[i] for i in indices]
-    lags = None if any(lag is None for lag in lags) else torch.tensor(lags, dtype=torch.long, device=device)
-    return _Prepared(packed, flat, magnitude, sums, directional, lags)
+    if any(lag is None for lag in lags):
+        return _Prepared(packed, flat, magnitude, sums, directional)
+    return _Prepared(packed, flat, magnitude, sums, directional, torch.tensor(lags, dtype=torch.long, device=device),
+                     sum(lags) / len(lags) if lags else 0.0)
 
 
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
@@ -264,12 +267,9 @@ def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float]
     (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
     """
     batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
-    if config.use_tis and any(getattr(config, key) is not None for key in LAG_KEYS):  # a lag-keyed config
-        if prepared.lags is None:
-            raise ValueError(f"{', '.join(key for key in LAG_KEYS if getattr(config, key) is not None)} need each "
-                             "sequence's version lag, which this dump's call lacks")
-        batch = dataclasses.replace(batch, lags=prepared.lags, lag_mean=float(prepared.lags.double().mean())
-                                    if prepared.lags.numel() else 0.0)
+    if staleness.lag_keys_in_use(config):  # a lag-keyed config: the dump's lags, as a host passes them
+        staleness.require_lags(config, prepared.lags is not None)
+        batch = dataclasses.replace(batch, lags=prepared.lags, lag_mean=prepared.lag_mean)
     result = correction.correct(batch, config)
     keep = result.token_keep  # float 0/1, only on valid tokens (all valid ones in metrics-only mode)
     # 0 where rejected; metrics-only: the valid tokens' 0/1, which token_keep is then

@@ -17,7 +17,7 @@ from typing import Mapping
 
 from ..config import MisConfig, load_yaml_mapping
 from ..correction.divergence import DIRECTIONAL
-from ..correction.staleness import LAG_KEYS
+from ..correction.staleness import lag_keys_in_use
 from ..inputs.advantages import needed as reads_advantages
 from . import advisor, report
 from .reading import DumpReader
@@ -87,8 +87,8 @@ class DumpInputs:
         self.with_advantages += sum(value is not None for value in batch.advantages)
 
     def require(self, name: str, config: MisConfig) -> None:
-        lag_keys = [key for key in LAG_KEYS if getattr(config, key) is not None]
-        if config.use_tis and lag_keys and self.with_lags < self.sequences:
+        lag_keys = lag_keys_in_use(config)
+        if lag_keys and self.with_lags < self.sequences:
             raise ValueError(f"--config {name[len(YOURS):]}: {' and '.join(lag_keys)} need each sequence's version "
                              f"lag, but {self.sequences - self.with_lags} of the dump's {self.sequences} sequences have "
                              "none (the lab's dumps record version_lag; miles' do not): drop the lag keys to evaluate it")

@@ -36,10 +36,15 @@ LAG_KEYS = ("tis_upper_bound_by_lag", "rs_max_lag")  # the config keys that act 
 _USE_TIS_METRICS = ("bounded_fraction", "rejected_fraction", "ess")
 
 
+def lag_keys_in_use(config: MisConfig) -> list[str]:
+    """The keys of LAG_KEYS this config sets, when it corrects (``use_tis``): what needs each sequence's lag."""
+    return [key for key in LAG_KEYS if getattr(config, key) is not None] if config.use_tis else []
+
+
 def require_lags(config: MisConfig, has_lags: bool) -> None:
     """A config that acts on lags, called without them: one error naming the keys (not a silent no-op)."""
-    keys = [key for key in LAG_KEYS if getattr(config, key) is not None]
-    if keys and not has_lags and config.use_tis:
+    keys = lag_keys_in_use(config)
+    if keys and not has_lags:
         raise ValueError(f"{' and '.join(keys)} need{'s' if len(keys) == 1 else ''} each sequence's lag, but the "
                          "host passes none: pass "
                          "version_lags, or weight_versions with current_weight_version (docs/staleness.md shows "

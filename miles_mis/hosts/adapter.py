@@ -156,7 +156,7 @@ def batch_lags(host: Host, config: MisConfig, args: Any, batch: Mapping[str, Any
     Namespace) minus the oldest of the sample's ``weight_versions`` (one per generation call, as miles records them).
     Read when the config acts on lags (then both are required, each missing one named) or when both are there (the
     lag metrics); never relative to another sample's version (docs/hosts.md#lags)."""
-    needed = [key for key in staleness.LAG_KEYS if getattr(config, key) is not None] if config.use_tis else []
+    needed = staleness.lag_keys_in_use(config)
     versions, current = batch.get("weight_versions"), host_setting(args, "current_weight_version")
     keys = " and ".join(needed)
     if needed and versions is None:
