@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..tensors import ops
+from .keys import AUTO
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def resolve(tis_upper_bound, by_lag: tuple[float, ...] | None, search_range: tup
             target_ess: float, scope: str) -> UpperBound:
     """The bound's type from the validated keys (``tis_upper_bound``, ``tis_upper_bound_by_lag``,
     ``tis_auto_*``)."""
-    if tis_upper_bound == "auto":
+    if tis_upper_bound == AUTO:
         return AdaptiveBound(tuple(search_range), target_ess, scope)
     if by_lag is not None:
         return PerLagBound(tuple(by_lag))

@@ -9,6 +9,7 @@ its rejections and its metrics; ``finalize`` ORs the rejections and gathers the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +114,7 @@ def _per_sample(correction: Correction, groups) -> Correction:
     if groups is None or groups.trivial:
         return correction
     seq_keep, seq_gate = per_sample(correction.seq_keep, correction.seq_gate, groups)
-    return Correction(correction.weights, correction.token_keep, seq_keep, correction.metrics, correction.message,
-                      seq_gate, correction.exchanged)
+    return dataclasses.replace(correction, seq_keep=seq_keep, seq_gate=seq_gate)
 
 
 def metrics_only(batch: PackedBatch, terms: TokenTerms, token_metrics: dict, seq_metrics: dict, batch_metrics: dict,

@@ -10,6 +10,7 @@ caller cannot skip a stage, only say how values are combined with other processe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -34,8 +35,8 @@ class Reductions(Protocol):
     def fail(self, error: BaseException) -> None:
         """Tell the peers this process failed before the first exchange, then raise ``error``."""
 
-    def batch_values(self, values: Tensor, rejected: Tensor | None) -> tuple[Tensor, Any]:
-        """(the batch-sum vector combined over the CP group, the agreement)."""
+    def batch_values(self, values: Tensor, rejected: Tensor | None, schema: TableSchema) -> tuple[Tensor, Any]:
+        """(the batch-sum vector combined over the CP group, the agreement; the ranks compare ``schema`` in it)."""
 
     def token_histogram(self, histogram: Tensor) -> Tensor:
         """The adaptive token-level bound's histogram, over its scope."""
@@ -62,7 +63,7 @@ class LocalReductions:
     def fail(self, error: BaseException) -> None:
         raise error
 
-    def batch_values(self, values: Tensor, rejected: Tensor | None) -> tuple[Tensor, Any]:
+    def batch_values(self, values: Tensor, rejected: Tensor | None, schema: TableSchema) -> tuple[Tensor, Any]:
         return values, None
 
     def seq_table(self, table: Tensor, schema: TableSchema, rejected: Tensor | None,
@@ -90,14 +91,11 @@ def correct(batch: PackedBatch, config: MisConfig, reductions: Reductions = LOCA
     except Exception as failure:  # noqa: BLE001 (raised on every peer by fail)
         reductions.fail(failure)
         raise
-    batch_values, agreement = reductions.batch_values(values, rejected)
+    batch_values, agreement = reductions.batch_values(values, rejected, schema)
     terms, token_bound = bound_token_terms(terms, batch_values.to(terms.token_ratio.device), config,
                                            reductions.token_histogram)
     table, exchanged = reductions.seq_table(local_table(batch, terms, config, schema), schema, rejected, agreement)
     correction = finalize(batch, terms, table, schema, config, batch_values.to(table.device), token_bound,
                           gate_reduce=reductions.gate, seq_histogram_reduce=reductions.seq_histogram,
                           normalizer_reduce=reductions.normalizer)
-    if exchanged is None:
-        return correction
-    return Correction(correction.weights, correction.token_keep, correction.seq_keep, correction.metrics,
-                      correction.message, correction.seq_gate, exchanged)
+    return correction if exchanged is None else dataclasses.replace(correction, exchanged=exchanged)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..tensors import backend
+from ..tensors import backend, ops
 from . import divergence
 from ..config import MisConfig
 from ..tensors.packed_batch import PackedBatch
@@ -77,8 +77,8 @@ class TableSchema:
         return tuple(tuple(i for i, op in enumerate(self.reduces) if op == reduce) for reduce in REDUCES)
 
     def indices(self, device) -> tuple[Tensor, Tensor, Tensor]:
-        """The (sum, max, min) column indices, int64 tensors on ``device``."""
-        return tuple(torch.tensor(columns, dtype=torch.long, device=device) for columns in self._by_reduce)
+        """The (sum, max, min) column indices, shared int64 tensors on ``device`` (``ops.constant``: made once)."""
+        return tuple(ops.constant(columns, device) for columns in self._by_reduce)
 
     def columns(self, table: Tensor) -> dict[str, Tensor]:
         """The table's columns [B] by name (one op)."""

@@ -40,17 +40,19 @@ class PeerReductions:
         self._agree(error, payload=(), num_rejected=0)
         raise error
 
-    def batch_values(self, values: Tensor, rejected: Tensor | None) -> tuple[Tensor, list | None]:
-        """The batch-sum vector combined over the CP group, which travels in the agreement header (the headers are
-        the agreement)."""
+    def batch_values(self, values: Tensor, rejected: Tensor | None,
+                     schema: correction.TableSchema) -> tuple[Tensor, list | None]:
+        """The batch-sum vector combined over the CP group, which travels in the agreement header with ``schema``'s
+        fingerprint (the headers are the agreement)."""
         if self.cp.size == 1:
             return values, None
         headers = self._agree(None, payload=values.tolist(),
-                              num_rejected=0 if rejected is None else int(rejected.sum()))
+                              num_rejected=0 if rejected is None else int(rejected.sum()), schema=schema)
         return correction.combine_batch_values(
             torch.tensor([h.payload[:values.numel()] for h in headers], dtype=torch.float64)), headers
 
-    def _agree(self, error: BaseException | None, payload, num_rejected: int) -> list | None:
+    def _agree(self, error: BaseException | None, payload, num_rejected: int,
+               schema: correction.TableSchema | None = None) -> list | None:
         """The CP agreement (or, at CP size 1, ``error`` raised); whatever is raised here is first announced to the
         DP peers waiting in their first DP exchange."""
         packed = self.packed
@@ -59,8 +61,7 @@ class PeerReductions:
                 batch = None if packed is None else packed.batch
                 return distributed.agree(
                     self.cp, "cp", error=error, batch_size=-1 if batch is None else batch.num_seqs,
-                    table_schema=-1 if batch is None else correction.TableSchema.of(
-                        self.config, batch.lags is not None).fingerprint,
+                    table_schema=-1 if schema is None else schema.fingerprint,
                     tokens=-1 if batch is None else batch.seq_index.numel(), rejected=num_rejected,
                     config_text=self.text, payload=payload)
             if error is not None:
