@@ -106,7 +106,7 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
     "async lags 0..4": (["--rollout-dtype", "bf16", "--async-max-lag", "4"], COMMON + ASYNC, 4, 5.0),
 }
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
-SERIES = ("reward", "raw_k3", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3", "pg_clipfrac",
+SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3", "pg_clipfrac",
           "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess", "mis_is_ratio_mean_final",
           "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction", "removed_abs_advantage",
           "abs_advantage", "removed_positive_advantage", "mis_rs_stale_seq_fraction",
