@@ -195,6 +195,11 @@ def test_measure_on_the_tiny_model_equals_the_mismatch_of_its_batches(tmp_path, 
     assert row["sequences"] == 64 and row["setting"] == "bf16 + fp8 weights" and row["model"] == "tiny"
     out = capsys.readouterr()
     assert "tiny on embedded, bf16 + fp8 weights" in out.out and "measure 2/2" in out.err
+    # the analyzer's answer to "does this mismatch need a correction?", on its k3, wrapped under the table
+    from miles_mis.analyze import safe_level
+
+    answer = out.out.split("  does this mismatch need a correction?\n", 1)[1]
+    assert " ".join(answer.split()) == " ".join(safe_level.sentence(row["k3"], safe_level.load()).split())
 
 
 def test_measure_help_lists_only_the_flags_that_act(capsys):

@@ -277,7 +277,8 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
     assert set(row["configs"]) == set(preset_files())
     assert row["configs"]["metrics_only"]["kept_token_fraction"] == 1.0
     assert row["configs"]["metrics_only"]["ess"] == 1.0
-    for line in (f"k3 {row['k3']:.3e}", "config              kept tokens", "the analyzer recommends"):
+    for line in (f"k3 {row['k3']:.3e}", "config              kept tokens", "the analyzer recommends",
+                 "does this mismatch need a correction?"):
         assert line in captured.out
     assert len(list((tmp_path / "dumps" / "policy_loss_debug").glob("rank_0_call_*.pt"))) == 2
     assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / "analysis")]) == 0

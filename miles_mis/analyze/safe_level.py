@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import published
+from . import horizon, published
 
 CURVE = Path(__file__).with_name("safe_mismatch.json")
 
@@ -38,14 +38,23 @@ def load(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def sentence(k3: Any, curve: Mapping[str, Any] | None, outcomes: list | None = None) -> str | None:
-    """Where ``k3`` lies against the measured levels for standard PPO, in one or two sentences, and, at or above the
-    level where a correction beat bypass, that bypass lost there; then against the published outcomes (``outcomes``:
+SHIPPED = object()  # sentence's default for long_runs: the shipped long-horizon points (horizon.load())
+
+
+def sentence(k3: Any, curve: Mapping[str, Any] | None, outcomes: list | None = None,
+             long_runs: Any = SHIPPED) -> str | None:
+    """Where ``k3`` lies against the measured levels for standard PPO, in one or two sentences; what the lab's long
+    runs say there (``long_runs``: ``horizon.load()`` by default, None for none); at or above the level where a
+    correction beat bypass, that bypass lost there; then against the published outcomes (``outcomes``:
     ``published.load()`` by default). None without a curve or a finite k3."""
     if curve is None or k3 is None or not math.isfinite(float(k3)):
         return None
     outcomes = published.load() if outcomes is None else outcomes
+    long_runs = horizon.load() if long_runs is SHIPPED else long_runs
     text = _standard_sentence(float(k3), curve)
+    long_text = horizon.sentence(float(k3), long_runs)
+    if text is not None and long_text is not None:
+        text = f"{text} {long_text}"
     lost = _bypass_lost(float(k3), curve)
     if text is not None and lost is not None:
         text = (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
@@ -86,7 +95,8 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
         return (f"No resolved effect in the lab at this level: k3 = {k3:.2e} is at or below {safe['k3']:.2e} "
                 f"({safe['regime']}), up to which no correction changed standard PPO's final reward resolvably (a gain "
                 f"up to {safe['not_excluded']:+.3f} reward is not excluded at {safe['seeds']} seeds), {where}: a small "
-                "model, short responses and a short horizon, which cannot show a collapse after hundreds of steps. "
+                f"model, short responses and {curve['steps']} steps, too short for the collapses published after "
+                "hundreds of steps. "
                 "Use a correction: it cost nothing measurable there, and longer responses, an MoE model or "
                 "asynchronous training make a collapse likelier.")
     if matters is not None and k3 >= matters["k3"]:

