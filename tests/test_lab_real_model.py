@@ -286,6 +286,8 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
     assert row["mis_unreplayed_truncation"] == 0.0 and 0.3 < row["mis_log_ratio_negative_fraction"] < 0.7
     assert "no sign of unreplayed truncated sampling" in captured.out
     assert "no sign of unreplayed truncated sampling" in (tmp_path / "analysis" / "report.md").read_text()
+    assert_advice_cites_published_runs(tmp_path / "analysis", row["k3"])
+    assert_your_configs_run(tmp_path / "dumps", tmp_path)
     # the same real dumps against a measured no-effect level above their k3, then against one where correction mattered
     # below it: the report and report.json say no resolved effect there, then above it with the correction that won
     for name, curve, words in (("safe", _curve(10 * row["k3"], 100 * row["k3"]),
@@ -296,6 +298,94 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
         assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / name)]) == 0
         assert words in (tmp_path / name / "report.md").read_text()
         assert words in json.loads((tmp_path / name / "report.json").read_text())["safe_level"]
+
+
+def assert_advice_cites_published_runs(analysis, k3):
+    """The report's answer to "does this mismatch need a correction?" on a real dump, in report.md and report.json:
+    the shipped lab curve and the published outcomes, at least one with the step it went wrong at, every published
+    collapse at or below this k3 named, and never "safe" or "not a need"."""
+    from miles_mis.analyze import published, safe_level
+
+    text = json.loads((analysis / "report.json").read_text())["safe_level"]
+    assert text == safe_level.sentence(k3, safe_level.load()) and text in (analysis / "report.md").read_text()
+    assert "Safe by" not in text and "not a need" not in text and " is safe" not in text
+    assert "by step " in text and "Corrections that held in published runs" in text
+    for row in published.went_wrong_at_or_below(k3, published.load())[:3]:
+        assert row["model"].split(" (")[0] in text
+
+
+def write_configs(directory, **texts):
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (directory / f"{name}.yaml").write_text(text)
+    return [directory / f"{name}.yaml" for name in texts]
+
+
+def assert_your_configs_run(dumps, tmp_path):
+    """`analyze --config` on real dumps: a fixed and an `auto` bound, each in the table and report.json under
+    "yours: FILE" with sane figures (a fixed bound of 1.0 bounds every token with ρ > 1, about half)."""
+    from miles_mis.cli import main
+
+    fixed, auto = write_configs(tmp_path / "configs", fixed="tis_mode: truncate\ntis_upper_bound: 1.0\n",
+                                auto="tis_upper_bound: auto\n")
+    out = tmp_path / "yours"
+    assert main(["analyze", str(dumps), "--out-dir", str(out), "--config", str(fixed), "--config", str(auto)]) == 0
+    candidates = json.loads((out / "report.json").read_text())["candidates"]
+    for path in (fixed, auto):
+        mine = candidates[f"yours: {path}"]
+        assert mine["kept_token_fraction"] == 1.0 and 0.9 < mine["ess"] <= 1.0
+        assert f"yours: {path}" in (out / "report.md").read_text()
+    assert 0.2 < candidates[f"yours: {fixed}"]["bounded_fraction"] < 0.8
+    assert candidates[f"yours: {fixed}"]["max_final_weight"] == pytest.approx(1.0)
+
+
+def test_analyze_on_real_fp8_dumps_cites_published_runs_and_evaluates_your_configs(tmp_path, capsys):
+    """W8A8 fp8 on vLLM (the lab's largest static mismatch): measure's dumps, analyzed with the shipped curve."""
+    from miles_mis.cli import main
+
+    assert main(["measure", "--model", "smollm2-135m", "--rollout-weight-quant", "fp8", "--batches", "1",
+                 "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--dump-details",
+                 str(tmp_path / "dumps"), "--json", str(tmp_path / "row.json")]) == 0
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["setting"] == "bf16 + fp8 weights" and 1e-3 < row["k3"] < 1.0
+    assert "does this mismatch need a correction?" in capsys.readouterr().out
+    assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(tmp_path / "analysis")]) == 0
+    assert_advice_cites_published_runs(tmp_path / "analysis", row["k3"])
+    assert_your_configs_run(tmp_path / "dumps", tmp_path)
+
+
+def test_a_lag_keyed_config_on_real_async_dumps_is_what_the_plugin_computes(tmp_path, bf16):
+    """An asynchronous run (lags 0..2) dumps each sample's version lag; `analyze --config` with a per-lag bound and
+    a lag drop gives the plugin's weights on the dumped tokens and lags."""
+    from miles_mis import MisConfig, compute_mis_weights
+    from miles_mis.cli import main
+
+    args = parse_args(["--model", "smollm2-135m", "--steps", "4", "--prompts-per-step", str(PROMPTS),
+                       "--group-size", str(GROUP), "--async-max-lag", "2", "--out-dir", str(tmp_path / "run"),
+                       "--quiet", "--dump-details", str(tmp_path / "dumps"), "--get-mismatch-metrics",
+                       "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"])
+    train(args)
+    by_lag, dropped = write_configs(tmp_path / "configs", by_lag="tis_upper_bound_by_lag: [2.0, 1.1, 1.02]\n",
+                                    dropped="rs_max_lag: 1\n")
+    out = tmp_path / "analysis"
+    assert main(["analyze", str(tmp_path / "dumps"), "--out-dir", str(out), "--config", str(by_lag),
+                 "--config", str(dropped)]) == 0
+    candidates = json.loads((out / "report.json").read_text())["candidates"]
+    samples = [sample for path in sorted((tmp_path / "dumps" / "policy_loss_debug").glob("rank_0_call_*.pt"))
+               for sample in torch.load(path, weights_only=True)["samples"]]
+    lags = [sample["version_lag"] for sample in samples]
+    assert {0, 1, 2} <= set(lags)
+    inputs = dict(train_log_probs=[s["old_log_probs"] for s in samples],
+                  rollout_log_probs=[s["rollout_log_probs"] for s in samples],
+                  loss_masks=[s["local_loss_mask"] for s in samples], version_lags=lags)
+    weights, masks, _ = compute_mis_weights(MisConfig(use_tis=True, tis_upper_bound_by_lag=[2.0, 1.1, 1.02]), **inputs)
+    mine = candidates[f"yours: {by_lag}"]
+    assert mine["max_final_weight"] == pytest.approx(float(torch.cat(weights).max()))
+    assert mine["max_final_weight"] <= 2.0
+    _, masks, _ = compute_mis_weights(MisConfig(use_tis=True, rs_max_lag=1), **inputs)
+    kept = sum(float(m.sum()) for m in masks) / sum(float(s["local_loss_mask"].sum()) for s in samples)
+    assert candidates[f"yours: {dropped}"]["kept_token_fraction"] == pytest.approx(kept)
+    assert kept < 1.0  # the lag-2 samples are dropped
 
 
 def test_processed_top_p_is_detected_and_replay_clears_it(tmp_path, capsys):
