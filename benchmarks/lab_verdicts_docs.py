@@ -17,7 +17,7 @@ from pathlib import Path
 from lab_sweep import machine_of
 
 MARKERS = ("<!-- lab_verdicts:{} -->", "<!-- /lab_verdicts:{} -->")
-SAFE = "What mismatch is safe"
+SAFE = "What mismatch needs a correction"
 NOT_IN_DOCS = ("Mechanisms",)
 WIDTH = 116
 NO_RUNS = "(no runs yet)"  # lab_verdicts.regime_table's body for a regime without runs; kept out of the docs

@@ -18,7 +18,7 @@ SECTIONS = [
     ("fp16", "(no runs yet)", None),
     ("fp32", "| algorithm | seeds |\n|---|---|\n| standard | 2 |", None),
     ("Mechanisms", "- a mechanism line", None),
-    ("What mismatch is safe", "| regime | k3 |\n|---|---|\n| fp32 | 5.88e-11 |\n\n- standard: safe", "curve.png"),
+    ("What mismatch needs a correction", "| regime | k3 |\n|---|---|\n| fp32 | 5.88e-11 |\n\n- standard: safe", "curve.png"),
 ]
 ROWS = [{"machine": "AMD EPYC, 2 cores, boot aaaa"}, {"machine": "AMD EPYC, 2 cores, boot bbbb"},
         {"machine": "AMD EPYC, 2 cores, boot aaaa"}]

@@ -1,4 +1,4 @@
-"""What mismatch is safe, as measured on a real model: the analyzer's reading of the lab's safe-mismatch curve.
+"""What mismatch needs a correction, as measured on a real model: the analyzer's reading of the lab's mismatch curve.
 
 ``benchmarks/lab_verdicts.py tables`` writes ``safe_mismatch.json`` beside this module from its paired RL runs on
 SmolLM2-135M (vLLM): per engine regime, standard PPO's raw k3 and the best correction's paired gain over standard
