@@ -755,8 +755,9 @@ def raises(findings: Findings, case, kind: str, pattern: str, call) -> None:
     try:
         call()
     except ValueError as error:
-        findings.check(case, kind, re.search(pattern, str(error)) is not None,
-                       lambda: f"raised {str(error)[:300]!r}, expected a match of {pattern!r}")
+        message = str(error)  # the except variable is unbound after the block, where the lambda may run
+        findings.check(case, kind, re.search(pattern, message) is not None,
+                       lambda: f"raised {message[:300]!r}, expected a match of {pattern!r}")
         return
     except Exception as error:  # noqa: BLE001
         findings.add(case, kind, f"raised {type(error).__name__}: {error}, expected a ValueError ({pattern!r})")

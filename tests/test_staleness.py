@@ -11,7 +11,6 @@ from conftest import random_batch
 from cp_harness import cp_state, make_full_batch, shard, spawn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import reference
 from test_cp import check_case
 
 from miles_mis import MisConfig, compute_mis_weights, compute_mis_weights_packed, compute_mis_weights_with_cp
