@@ -85,8 +85,10 @@ def test_the_analyzer_reads_a_null_as_a_null_at_that_horizon(lab_horizon, tmp_pa
 
     data = horizon.load(_points(lab_horizon, tmp_path, fell=False))
     text = horizon.sentence(1e-3, data)
-    assert text.startswith("No run fell back over the long horizon either: at 300 steps on SmolLM2-135M-Instruct")
-    assert "at k3 = 1.30e-03 over steps 1–40 (bf16)" in text and "none of 6 runs" in text
+    assert text.startswith("At 300 steps no run fell back: on SmolLM2-135M-Instruct")
+    assert "at k3 = 1.30e-03 over steps 1–40 and 1.30e-03 over the last 50 (bf16)" in text
+    assert text.endswith("still a 135M model with short responses.")  # k3 held: no "shrank"
+    assert "none of 6 runs (standard PPO 3, decoupled token TIS 3) ended 0.1 reward or more below their best" in text
     assert "decoupled token TIS − standard PPO over the last 50 steps +0.000" in text
     assert "still a 135M model" in text and "safe" not in text
     # above every long run: said, not stretched
@@ -109,5 +111,14 @@ def test_a_long_run_that_fell_back_is_the_headline(lab_horizon, tmp_path):
     data = horizon.load(_points(lab_horizon, tmp_path, fell=True))
     assert data["points"][0]["algorithms"]["standard"]["fell_back"] == 2
     text = horizon.sentence(1e-3, data)
-    assert text.startswith("The lab's long runs fell back at this level:")
-    assert "(standard PPO 2 of 3)" in text and "Correct," in text
+    assert text.startswith("At 300 steps the lab's runs fell back at this level:")
+    assert "below their best after step 40 (standard PPO 2 of 3)" in text and "Correct," in text
+
+
+def test_a_null_at_a_shrinking_mismatch_says_so(lab_horizon, tmp_path):
+    from miles_mis.analyze import horizon
+
+    data = horizon.load(_points(lab_horizon, tmp_path, fell=False))
+    data["points"][0]["k3_last_50"] = data["points"][0]["k3"] / 10  # as the lab's bf16 runs: k3 falls 10x
+    assert horizon.sentence(1e-3, data).endswith("still a 135M model with short responses, at a mismatch that shrank "
+                                                 "as it trained.")

@@ -52,21 +52,21 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
     algorithms = point["algorithms"]
     runs = sum(a["runs"] for a in algorithms.values())
     fell = {name: a for name, a in algorithms.items() if a["fell_back"]}
-    where = (f"at {point['steps']} steps on {data['model']} ({data['engine']}; {data['docs']}), at k3 = "
-             f"{point['k3']:.2e} over steps 1–{data['early']} ({point['regime']}), {point['k3_last_50']:.2e} over the "
-             f"last {data['last']} as the policy sharpened")
+    where = (f"on {data['model']} ({data['engine']}; {data['docs']}), at k3 = {point['k3']:.2e} over steps "
+             f"1–{data['early']} and {point['k3_last_50']:.2e} over the last {data['last']} ({point['regime']})")
+    below_best = f"{data['fell_back']} reward or more below their best after step {data['early']}"
     if fell:
         lost = ", ".join(f"{NAMES.get(name, name)} {a['fell_back']} of {a['runs']}" for name, a in fell.items())
-        return (f"The lab's long runs fell back at this level: {where}, runs lost {data['fell_back']} reward or more "
-                f"after step {data['early']} ({lost}). Correct, and watch the reward and the gradient norm.")
+        return (f"At {point['steps']} steps the lab's runs fell back at this level: {where}, runs ended {below_best} "
+                f"({lost}). Correct, and watch the reward and the gradient norm.")
     counts = ", ".join(f"{NAMES.get(name, name)} {a['runs']}" for name, a in algorithms.items())
-    text = (f"No run fell back over the long horizon either: {where}, none of {runs} runs ({counts}) lost "
-            f"{data['fell_back']} reward after step {data['early']}")
+    text = f"At {point['steps']} steps no run fell back: {where}, none of {runs} runs ({counts}) ended {below_best}"
     gap = next((p for p in point["paired"] if (p["a"], p["b"]) == ("decoupled_tis", "standard")), None)
     if gap is not None:
         text += (f"; decoupled token TIS − standard PPO over the last {data['last']} steps "
                  f"{_interval(gap['at_end'])} (at step {data['early']}: {_interval(gap['at_40'])})")
     reward = algorithms.get("standard", {}).get("reward_last_50")
     ceiling = f", on a task whose reward reached {reward:.2f}" if reward is not None and math.isfinite(reward) else ""
-    return (f"{text}. A stronger null than 40 steps{ceiling}, and still a 135M model with short responses at a "
-            "mismatch that shrank as it trained.")
+    # the lab's k3 falls as the policy sharpens: a null at a shrinking mismatch is weaker than one at a steady one
+    shrank = ", at a mismatch that shrank as it trained" if point["k3_last_50"] < point["k3"] / 2 else ""
+    return f"{text}. A stronger null than 40 steps{ceiling}, and still a 135M model with short responses{shrank}."
