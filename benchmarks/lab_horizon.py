@@ -35,6 +35,7 @@ from evidence import paired_difference  # noqa: E402
 from lab_sweep import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_long_horizon.jsonl"
+VERDICTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"  # the 40-step runs they continue
 HORIZON_FILE = Path(__file__).resolve().parent.parent / "miles_mis" / "analyze" / "long_horizon.json"
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 STEPS = 300
@@ -144,6 +145,16 @@ def horizon(rows: list[dict], steps: int = STEPS) -> list[dict]:
     return out
 
 
+def reproduced(rows: list[dict], short_rows: list[dict], steps: int = EARLY) -> tuple[int, int]:
+    """(how many, of the long runs with a ``steps``-step run of the same regime, algorithm and seed in ``short_rows``,
+    the 40-step verdicts' rows) repeat that run's reward and raw k3 bit for bit over their first ``steps`` steps: the
+    long runs are the verdicts' runs continued, not new ones."""
+    short = {(r["regime"], r["algorithm"], r["seed"]): r for r in short_rows if r["steps"] == steps}
+    pairs = [(r, short[key]) for r in rows for key in [(r["regime"], r["algorithm"], r["seed"])] if key in short]
+    same = sum(long["reward"][:steps] == s["reward"] and long["raw_k3"][:steps] == s["raw_k3"] for long, s in pairs)
+    return same, len(pairs)
+
+
 def _shown(value: float, spec: str) -> str:
     return "—" if not math.isfinite(value) else format(value, spec)
 
@@ -211,11 +222,15 @@ def write_json(points: list[dict], path: Path = HORIZON_FILE) -> None:
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
-def tables(rows: list[dict], figures: Path | None) -> str:
+def tables(rows: list[dict], figures: Path | None, short_rows: list[dict] = ()) -> str:
+    """The tables of ``horizon(rows)``, with (``short_rows``: the 40-step verdicts' rows) how many long runs repeat
+    their 40-step run bit for bit, and the figures under ``figures`` (None: none drawn)."""
     points = horizon(rows)
     if not points:
         return "(no regime with standard PPO run to 300 steps on 2 seeds yet)"
-    parts = []
+    same, compared = reproduced([r for r in rows if r["steps"] == STEPS], list(short_rows))
+    parts = [f"{same} of the {compared} long runs with a 40-step verdict run of the same regime, algorithm and seed "
+             "repeat its reward and raw k3 bit for bit over the first 40 steps."] if compared else []
     for point in points:
         parts.append(f"**{point['regime']}, {point['steps']} steps**, on {', '.join(point['machines'])}\n\n"
                      f"{regime_table(point)}")
@@ -237,7 +252,7 @@ def main() -> None:
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
     args = parser.parse_args()
     rows = read_results(args.results)
-    text = tables(rows, None if args.no_figures else FIGURES)
+    text = tables(rows, None if args.no_figures else FIGURES, read_results(VERDICTS))
     if args.json is not None:
         write_json(horizon(rows), args.json)
     if args.docs is None:

@@ -122,3 +122,12 @@ def test_a_null_at_a_shrinking_mismatch_says_so(lab_horizon, tmp_path):
     data["points"][0]["k3_last_50"] = data["points"][0]["k3"] / 10  # as the lab's bf16 runs: k3 falls 10x
     assert horizon.sentence(1e-3, data).endswith("still a 135M model with short responses, at a mismatch that shrank "
                                                  "as it trained.")
+
+
+def test_long_runs_that_repeat_their_40_step_run_are_counted(lab_horizon):
+    long = [_row("standard", 0, [0.5] * 40 + [0.9] * 260), _row("bypass", 0, [0.5] * 40 + [0.9] * 260),
+            _row("standard", 1, [0.5] * 300)]
+    short = [_row("standard", 0, [0.5] * 40), _row("bypass", 0, [0.5] * 39 + [0.6]), _row("standard", 2, [0.5] * 40)]
+    assert lab_horizon.reproduced(long, short) == (1, 2)  # seed 1 has no 40-step run; bypass differs at step 40
+    short[0]["raw_k3"][5] = 2e-3  # the k3 must repeat too
+    assert lab_horizon.reproduced(long, short) == (0, 2)
