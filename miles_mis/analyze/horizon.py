@@ -7,8 +7,10 @@ least ``fell_back`` below the run's best 10-step mean after step 40), and the pa
 and over the last 50 steps.
 
 ``sentence`` places a dump's k3 against them: a long run that started at or above that k3 and fell back is the
-headline; a null is said as a null over that horizon, on that model and task, with the mismatch it actually sat at
-(the lab's k3 falls as the policy sharpens). Without the file it says nothing.
+headline (``fell_back``: the analyzer then puts this sentence first), with the algorithms that held; a paired
+difference is stated only where it is resolved (3 seeds or more, the 95 % interval excluding 0); a null is said as a
+null over that horizon, on that model and task, with the mismatch it actually sat at (the lab's k3 falls as the
+policy sharpens). Without the file it says nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Mapping
 
 POINTS = Path(__file__).with_name("long_horizon.json")
 NAMES = {"standard": "standard PPO", "bypass": "bypass", "decoupled_tis": "decoupled token TIS"}
+MIN_VERDICT_SEEDS = 3  # as benchmarks/evidence.py: fewer paired seeds never make a verdict
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -39,34 +42,60 @@ def _interval(cell: Mapping[str, Any]) -> str:
     return f"{cell['mean']:+.3f} [{cell['low']:+.3f}, {cell['high']:+.3f}] over {cell['seeds']} seeds"
 
 
+def _number(value: Any) -> float | None:
+    return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+def _seeds(seeds: list) -> str:
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(str(s) for s in seeds)}"
+
+
+def fell_back(k3: Any, data: Mapping[str, Any] | None) -> bool:
+    """Whether a long run at or above ``k3`` (the covering point) fell back after step 40: then the long runs, not
+    the 40-step levels, lead the analyzer's answer."""
+    if data is None or k3 is None or not math.isfinite(float(k3)):
+        return False
+    point = covering(float(k3), data)
+    return point is not None and any(a["fell_back"] for a in point["algorithms"].values())
+
+
 def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
-    """What the long runs say at ``k3``, in one or two sentences; None without data, points or a finite k3."""
+    """What the long runs say at ``k3``, in one to three sentences; None without data, points or a finite k3."""
     if data is None or not data.get("points") or k3 is None or not math.isfinite(float(k3)):
         return None
-    k3 = float(k3)
-    point = covering(k3, data)
+    point = covering(float(k3), data)
     if point is None:
         top = max(data["points"], key=lambda p: p["k3"])
         return (f"Nothing in the lab ran long at this mismatch: its {top['steps']}-step runs sat lower, at k3 = "
                 f"{top['k3']:.2e} ({top['regime']}; {data['docs']}).")
     algorithms = point["algorithms"]
-    runs = sum(a["runs"] for a in algorithms.values())
+    last = _number(point.get("k3_last_50"))
+    at = (f"at k3 = {point['k3']:.2e} over steps 1–{data['early']}"
+          + ("" if last is None else f" and {last:.2e} over the last {data['last']}") + f" ({point['regime']}), at or "
+          f"above this dump's; {data['model']}, {data['engine']}, {data['docs']}")
+    below_best = f"{data['fell_back']} reward or more below its best 10-step mean after step {data['early']}"
     fell = {name: a for name, a in algorithms.items() if a["fell_back"]}
-    where = (f"on {data['model']} ({data['engine']}; {data['docs']}), at k3 = {point['k3']:.2e} over steps "
-             f"1–{data['early']} and {point['k3_last_50']:.2e} over the last {data['last']} ({point['regime']})")
-    below_best = f"{data['fell_back']} reward or more below their best after step {data['early']}"
     if fell:
-        lost = ", ".join(f"{NAMES.get(name, name)} {a['fell_back']} of {a['runs']}" for name, a in fell.items())
-        return (f"At {point['steps']} steps the lab's runs fell back at this level: {where}, runs ended {below_best} "
-                f"({lost}). Correct, and watch the reward and the gradient norm.")
-    counts = ", ".join(f"{NAMES.get(name, name)} {a['runs']}" for name, a in algorithms.items())
-    text = f"At {point['steps']} steps no run fell back: {where}, none of {runs} runs ({counts}) ended {below_best}"
+        lost = " and ".join(f"{NAMES.get(name, name)} on {_seeds(a['fell_back_seeds'])} (of {a['runs']})"
+                            for name, a in fell.items())
+        held = [NAMES.get(name, name) for name, a in algorithms.items() if not a["fell_back"]]
+        text = (f"At {point['steps']} steps the lab's runs fell back ({at}): {lost} ended {below_best}"
+                + (f", while every run of {' and '.join(held)} held" if held else "") + ".")
+        return text + (f" Use {' or '.join(held)} and watch the reward and the gradient norm." if held else
+                       " Watch the reward and the gradient norm.")
+    counts = ", ".join(f"{NAMES.get(name, name)} on {_seeds(a['seeds'])}" for name, a in algorithms.items())
+    text = f"At {point['steps']} steps no run fell back ({at}): no run ({counts}) ended {below_best}."
     gap = next((p for p in point["paired"] if (p["a"], p["b"]) == ("decoupled_tis", "standard")), None)
+    resolved = gap is not None and gap["at_end"]["resolved"]
     if gap is not None:
-        text += (f"; decoupled token TIS − standard PPO over the last {data['last']} steps "
-                 f"{_interval(gap['at_end'])} (at step {data['early']}: {_interval(gap['at_40'])})")
-    reward = algorithms.get("standard", {}).get("reward_last_50")
-    ceiling = f", on a task whose reward reached {reward:.2f}" if reward is not None and math.isfinite(reward) else ""
-    # the lab's k3 falls as the policy sharpens: a null at a shrinking mismatch is weaker than one at a steady one
-    shrank = ", at a mismatch that shrank as it trained" if point["k3_last_50"] < point["k3"] / 2 else ""
-    return f"{text}. A stronger null than 40 steps{ceiling}, and still a 135M model with short responses{shrank}."
+        end, early = gap["at_end"], gap["at_40"]
+        verdict = ("resolved" if resolved else "no verdict" if end["seeds"] < MIN_VERDICT_SEEDS else "not resolved")
+        text += (f" Decoupled token TIS against standard PPO, over the last {data['last']} steps: {_interval(end)} "
+                 f"({verdict}); at step {data['early']}: {_interval(early)}.")
+    if resolved:
+        return text
+    reward = _number(algorithms.get("standard", {}).get("reward_last_50"))
+    ceiling = "" if reward is None else f", on a task where standard PPO's reward reached {reward:.2f}"
+    # the lab's k3 falls as the policy sharpens: a null at a shrinking mismatch is weaker than at a steady one
+    shrank = ", at a mismatch that shrank as it trained" if last is not None and last < point["k3"] / 2 else ""
+    return f"{text} A null over {point['steps']} steps{ceiling}{shrank}, on a 135M model with short responses."

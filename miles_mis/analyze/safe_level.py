@@ -8,7 +8,8 @@ PPO with a 95 % interval, and from those two levels:
   gain the intervals there leave open (``not_excluded``, at ``seeds`` seeds);
 - ``matters_at``: the first (smallest-k3) regime where one did, and which correction.
 
-``sentence`` places a dump's k3 against them and against the published production outcomes (``published``): the lab
+``sentence`` places a dump's k3 against them, against the lab's long runs (``horizon``: 300 steps at bf16; one
+that fell back leads the answer) and against the published production outcomes (``published``): the lab
 is a 135M model on short responses over tens of steps, so a level where it saw no effect is said as that, never as
 "safe", and the runs that collapsed at or below the level, or at unstated levels, are named with what held there.
 Without the curve (no measurement shipped) it says nothing.
@@ -53,8 +54,8 @@ def sentence(k3: Any, curve: Mapping[str, Any] | None, outcomes: list | None = N
     long_runs = horizon.load() if long_runs is SHIPPED else long_runs
     text = _standard_sentence(float(k3), curve)
     long_text = horizon.sentence(float(k3), long_runs)
-    if text is not None and long_text is not None:
-        text = f"{text} {long_text}"
+    if text is not None and long_text is not None:  # a long run that fell back leads: it outweighs a 40-step null
+        text = f"{long_text} {text}" if horizon.fell_back(float(k3), long_runs) else f"{text} {long_text}"
     lost = _bypass_lost(float(k3), curve)
     if text is not None and lost is not None:
         text = (f"{text} Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
