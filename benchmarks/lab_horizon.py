@@ -233,14 +233,16 @@ def figure(rows: list[dict], point: dict, path: Path) -> None:
             mean = [_mean([s[i] for s in series if s[i] is not None]) for i in range(point["steps"])]
             smooth = [window_mean(mean, max(0, i - WINDOW // 2), i + WINDOW // 2) for i in range(len(mean))]
             ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name} ({len(runs)})")
-    for ax, label in zip(axes, ("reward", "raw k3 (π_old vs engine)", "grad norm before clipping")):
+    for ax, title in zip(axes, ("reward", "raw k3 (trainer π_old against the engine)", "grad norm before clipping")):
         ax.axvline(EARLY, color="grey", lw=0.8, ls=":")
-        ax.set(xlabel="step", ylabel=label)
-        if label != "reward":
+        ax.set(xlabel="step", title=title)
+        ax.title.set_fontsize(9)
+        if title != "reward":
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M, {point['regime']}, {point['steps']} steps: {WINDOW}-step mean over seeds "
                  f"(dotted: step {EARLY})", fontsize=9)
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

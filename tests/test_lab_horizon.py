@@ -111,7 +111,9 @@ def test_the_analyzer_reads_a_null_as_a_null_at_that_horizon(lab_horizon, tmp_pa
     assert "safe" not in text
     # above every long run: said, not stretched
     assert horizon.sentence(1e-2, data).startswith("Nothing in the lab ran long at this mismatch: its 300-step runs "
-                                                   "sat lower, at k3 = 1.30e-03 (bf16")
+                                                   "sat more than 2× lower, at k3 = 1.30e-03 (bf16")
+    # a dump a little above the long runs' k3 (a dump's k3 varies by batch) is read against them, and told so
+    assert "(bf16), within 2× below this dump's;" in horizon.sentence(2.5e-3, data)
     assert horizon.sentence(float("nan"), data) is None and horizon.sentence(1e-3, None) is None
     # in the analyzer's sentence, after the lab's 40-step reading, and out of it with long_runs=None
     full = safe_level.sentence(1e-3, CURVE, [], data)
@@ -161,8 +163,9 @@ def test_the_covering_point_is_the_nearest_at_or_above(lab_horizon):
     from miles_mis.analyze import horizon
 
     data = {"points": [{"k3": 1e-3, "regime": "a"}, {"k3": 4e-2, "regime": "b"}, {"k3": 3e-3, "regime": "c"}]}
-    assert [horizon.covering(k3, data)["regime"] for k3 in (1e-5, 1e-3, 2e-3, 4e-2)] == ["a", "a", "c", "b"]
-    assert horizon.covering(5e-2, data) is None
+    assert [horizon.covering(k3, data)["regime"] for k3 in (1e-5, 1e-3, 2e-3, 4e-2, 5e-2, 8e-2)] == \
+        ["a", "a", "c", "b", "b", "b"]  # above every point, the highest within 2x below
+    assert horizon.covering(8.1e-2, data) is None
 
 
 def test_runs_without_a_grad_norm_write_null_not_nan(lab_horizon, tmp_path):

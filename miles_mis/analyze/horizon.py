@@ -33,9 +33,15 @@ def load(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+NEAR = 2.0  # a long run up to this factor below a dump's k3 still speaks for it (a dump's k3 varies this much by batch)
+
+
 def covering(k3: float, data: Mapping[str, Any]) -> dict | None:
-    """The long-horizon point nearest at or above ``k3`` (its runs started at that mismatch or a larger one)."""
-    return min((p for p in data.get("points", []) if p["k3"] >= k3), key=lambda p: p["k3"], default=None)
+    """The long-horizon point that speaks for ``k3``: the nearest at or above it, else the nearest within ``NEAR``×
+    below it; None when every point lies further below."""
+    points = data.get("points", [])
+    above = min((p for p in points if p["k3"] >= k3), key=lambda p: p["k3"], default=None)
+    return above or max((p for p in points if p["k3"] * NEAR >= k3), key=lambda p: p["k3"], default=None)
 
 
 def _interval(cell: Mapping[str, Any]) -> str:
@@ -66,13 +72,14 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
     point = covering(float(k3), data)
     if point is None:
         top = max(data["points"], key=lambda p: p["k3"])
-        return (f"Nothing in the lab ran long at this mismatch: its {top['steps']}-step runs sat lower, at k3 = "
-                f"{top['k3']:.2e} ({top['regime']}; {data['docs']}).")
+        return (f"Nothing in the lab ran long at this mismatch: its {top['steps']}-step runs sat more than "
+                f"{NEAR:g}× lower, at k3 = {top['k3']:.2e} ({top['regime']}; {data['docs']}).")
     algorithms = point["algorithms"]
     last = _number(point.get("k3_last_50"))
     at = (f"at k3 = {point['k3']:.2e} over steps 1–{data['early']}"
-          + ("" if last is None else f" and {last:.2e} over the last {data['last']}") + f" ({point['regime']}), at or "
-          f"above this dump's; {data['model']}, {data['engine']}, {data['docs']}")
+          + ("" if last is None else f" and {last:.2e} over the last {data['last']}") + f" ({point['regime']}), "
+          + ("at or above this dump's" if point["k3"] >= float(k3) else f"within {NEAR:g}× below this dump's")
+          + f"; {data['model']}, {data['engine']}, {data['docs']}")
     below_best = f"{data['fell_back']} reward or more below its best 10-step mean after step {data['early']}"
     fell = {name: a for name, a in algorithms.items() if a["fell_back"]}
     if fell:
