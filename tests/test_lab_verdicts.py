@@ -17,6 +17,15 @@ def verdicts():
     return load_benchmark("lab_verdicts")
 
 
+@pytest.fixture(autouse=True)
+def without_the_long_runs(monkeypatch):
+    """These tests read the 40-step curve alone: the shipped long-horizon runs (test_lab_horizon's subject) stay out
+    of the analyzer's sentence here."""
+    from miles_mis.analyze import horizon
+
+    monkeypatch.setattr(horizon, "load", lambda path=None: None)
+
+
 def test_every_run_parses_with_its_config(verdicts, tmp_path):
     from miles_mis.lab.train import parse_args
 

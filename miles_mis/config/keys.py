@@ -346,7 +346,7 @@ KEY_SPECS = (
             shown_default="1 / `tis_upper_bound`"),
     KeySpec("tis_upper_bound", "bound", 2.0, "U; `auto` (tis_mode truncate): chosen per call, the largest bound in "
             "`tis_auto_bounds` whose truncated weights keep the ESS ≥ `tis_auto_target_ess` "
-            "([math](math.md#the-adaptive-bound-miles_misadaptivepy)); with `use_rs`, set the rs bounds explicitly",
+            "([math](math.md#the-adaptive-bound-miles_miscorrectionadaptivepy)); with `use_rs`, set the rs bounds explicitly",
             choices=(AUTO,)),
     KeySpec("rs_lower_bound", "bound", None, "the RS test's lower bound", shown_default="`tis_lower_bound`"),
     KeySpec("rs_upper_bound", "bound", None, "the RS test's upper bound", shown_default="`tis_upper_bound`"),
@@ -360,12 +360,12 @@ KEY_SPECS = (
     KeySpec("tis_bounds", "range", None, "sets `tis_lower_bound` and `tis_upper_bound` at once (verl's IcePop "
             "spelling); not together with either of them"),
     KeySpec("rs_divergence", "mapping", None, "rejection by divergence statistics "
-            "([math](math.md#rejection-by-divergence-statistics-miles_misdivergencepy)): k1 options take a ratio "
+            "([math](math.md#rejection-by-divergence-statistics-miles_miscorrectiondivergencepy)): k1 options take a ratio "
             "range \"L_U\" or [L, U], k2/k3/atv/bkl options an upper bound, tv options a range [−α, β] of "
             "p_train − p_rollout; all ANDed. The directional ones (dtv, dbkl, datv) need the host's `advantages` "
             "([math](math.md#directional-trust-regions-dppo-vaco))", choices=DIVERGENCE_OPTIONS,
             parser=_as_divergence),
-    KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_misgatepy)): "
+    KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_miscorrectiongatepy)): "
             "statistics of the whole micro-batch (every CP rank's tokens); when any exceeds its threshold, every "
             "weight and mask of the micro-batch is 0, `mis_batch_gated` is 1 and a warning is logged (logger "
             "`miles_mis`). E.g. `{k3: 0.05}`", choices=GATE_STATISTICS, parser=_as_gate),
