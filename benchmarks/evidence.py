@@ -108,6 +108,17 @@ def first_mean(series: Sequence[float], head: int = TAIL) -> float:
     return statistics.mean(series[:head])
 
 
+def recorded_mean(values) -> float:
+    """Mean of the values a run recorded (None, NaN and inf left out: a figure a run has no value for); NaN if none."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.mean(values) if values else math.nan
+
+
+def formatted(value: float, spec: str) -> str:
+    """``value`` formatted by ``spec``, or — where the runs do not record it (REINFORCE has no clip range)."""
+    return "—" if value is None or not math.isfinite(value) else format(value, spec)
+
+
 def steps_to_level(series: Sequence[float], level: float, window: int = LEVEL_WINDOW) -> int | None:
     """The first step (1-based) whose trailing ``window``-step mean reaches ``level``; None when none does."""
     for end in range(window, len(series) + 1):

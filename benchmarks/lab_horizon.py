@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import MIN_VERDICT_SEEDS, paired_difference  # noqa: E402
+from evidence import MIN_VERDICT_SEEDS, formatted, paired_difference, recorded_mean  # noqa: E402
 from lab_sweep import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_long_horizon.jsonl"
@@ -92,11 +92,6 @@ def run_summary(row: dict) -> dict:
     return out
 
 
-def _mean(values) -> float:
-    values = [v for v in values if math.isfinite(v)]
-    return statistics.mean(values) if values else math.nan
-
-
 def algorithm_summary(runs: dict[int, dict]) -> dict:
     """The runs of one algorithm (seed -> ``run_summary``): how many, on which seeds, which seeds fell back, and each
     figure's mean over the runs (its spike ratio: the largest run's)."""
@@ -106,7 +101,7 @@ def algorithm_summary(runs: dict[int, dict]) -> dict:
         if key != "fell_back":
             values = [r[key] for r in runs.values()]
             out[key] = max((v for v in values if math.isfinite(v)), default=math.nan) if key.endswith("_peak_ratio") \
-                else _mean(values)
+                else recorded_mean(values)
     return out
 
 
@@ -183,10 +178,6 @@ def json_safe(value):
     return value
 
 
-def _shown(value: float, spec: str) -> str:
-    return "—" if not math.isfinite(value) else format(value, spec)
-
-
 def _interval_text(cell: dict) -> str:
     """The interval, marked "resolved" where evidence.py's rule states a verdict (3 seeds or more, 0 excluded)."""
     mark = ", resolved" if cell["resolved"] else ""
@@ -201,11 +192,11 @@ def regime_table(point: dict) -> str:
              "|" + "---|" * 8]
     for name, s in point["algorithms"].items():
         lines.append(f"| {name} | {s['runs']} | {s['reward_at_40']:.3f} | {s['reward_last_50']:.3f} | "
-                     f"{s['fell_back']} of {s['runs']} | {_shown(s['raw_k3_first_40'], '.2e')} → "
-                     f"{_shown(s['raw_k3_last_50'], '.2e')} ({_shown(s['raw_k3_peak_ratio'], '.2f')}) | "
-                     f"{_shown(s['grad_norm_first_40'], '.3f')} → {_shown(s['grad_norm_last_50'], '.3f')} "
-                     f"({_shown(s['grad_norm_peak_ratio'], '.2f')}) | {_shown(s['response_length_first_40'], '.1f')} → "
-                     f"{_shown(s['response_length_last_50'], '.1f')} |")
+                     f"{s['fell_back']} of {s['runs']} | {formatted(s['raw_k3_first_40'], '.2e')} → "
+                     f"{formatted(s['raw_k3_last_50'], '.2e')} ({formatted(s['raw_k3_peak_ratio'], '.2f')}) | "
+                     f"{formatted(s['grad_norm_first_40'], '.3f')} → {formatted(s['grad_norm_last_50'], '.3f')} "
+                     f"({formatted(s['grad_norm_peak_ratio'], '.2f')}) | {formatted(s['response_length_first_40'], '.1f')} → "
+                     f"{formatted(s['response_length_last_50'], '.1f')} |")
     lines += ["", f"| paired difference | at step 40 (steps 31–40) [95 % CI] | at step {end} (last {LAST}) [95 % CI] |",
               "|---|---|---|"]
     lines += [f"| {p['a']} − {p['b']} | {_interval_text(p['at_40'])} | {_interval_text(p['at_end'])} |"
@@ -228,7 +219,7 @@ def figure(rows: list[dict], point: dict, path: Path) -> None:
             series = [r.get(key) or [] for r in runs]
             if not all(len(s) == point["steps"] for s in series):
                 continue
-            mean = [_mean([s[i] for s in series if s[i] is not None]) for i in range(point["steps"])]
+            mean = [recorded_mean([s[i] for s in series if s[i] is not None]) for i in range(point["steps"])]
             smooth = [window_mean(mean, max(0, i - WINDOW // 2), i + WINDOW // 2) for i in range(len(mean))]
             ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name} ({len(runs)})")
     for ax, title in zip(axes, ("reward", "raw k3 (trainer π_old against the engine)", "grad norm before clipping")):

@@ -45,7 +45,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import first_mean, last_mean, outcome, paired_difference, steps_to_level, verdict  # noqa: E402
+from evidence import (first_mean, formatted, last_mean, outcome, paired_difference, recorded_mean,  # noqa: E402
+                      steps_to_level, verdict)
 from lab_sweep import (append_result, by_machine, first_rollout, left_here, machine, machine_of,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
 from lab_verdicts_docs import NO_RUNS  # noqa: E402
@@ -222,16 +223,6 @@ def _cell(rows: list[dict], regime: str, algorithm: str) -> dict[int, dict]:
     return {r["seed"]: r for r in rows if r["regime"] == regime and r["algorithm"] == algorithm}
 
 
-def _mean(values) -> float:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.mean(values) if values else math.nan
-
-
-def _shown(value: float, spec: str) -> str:
-    """``value`` formatted, or — where the runs do not record it (REINFORCE has no clip range)."""
-    return "—" if math.isnan(value) else format(value, spec)
-
-
 def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
     """The markdown table of one regime and its verdict sentences (algorithms paired with standard on ≥ 2 seeds)."""
     baseline = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, BASELINE).items()}
@@ -254,12 +245,12 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
         outcomes = [outcome(r["reward"]) for r in cell.values()]
         delta = "—" if algorithm == BASELINE else diff.interval()
         lines.append(
-            f"| {algorithm} | {len(cell)} | {_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
+            f"| {algorithm} | {len(cell)} | {recorded_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
             f"{statistics.mean(scores.values()):.3f}{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
             f"{delta} | {level} | {outcomes.count('collapsed')} / {outcomes.count('stalled')} | "
-            f"{_shown(_mean(_mean(r['raw_k3']) for r in cell.values()), '.2e')} | "
-            f"{_shown(_mean(_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()), '.3f')} | "
-            f"{_shown(quiet_pace(cell.values()), '.1f')} |")
+            f"{formatted(recorded_mean(recorded_mean(r['raw_k3']) for r in cell.values()), '.2e')} | "
+            f"{formatted(recorded_mean(recorded_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()), '.3f')} | "
+            f"{formatted(quiet_pace(cell.values()), '.1f')} |")
         if algorithm != BASELINE:
             sentences.append(verdict(algorithm, BASELINE, diff))
     if missing:
@@ -318,7 +309,7 @@ def curve(rows: list[dict]) -> list[dict]:
         standard = _cell(rows, regime, BASELINE)
         if len(standard) < 2:
             continue
-        point = {"regime": regime, "k3": _mean(_mean(r["raw_k3"]) for r in standard.values()), "gaps": {}}
+        point = {"regime": regime, "k3": recorded_mean(recorded_mean(r["raw_k3"]) for r in standard.values()), "gaps": {}}
         for uncorrected in UNCORRECTED:
             base = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, uncorrected).items()}
             paired = [(correction, paired_difference({s: last_mean(r["reward"])
@@ -471,7 +462,7 @@ def _response_lengths(cell: dict[int, dict]) -> str:
     lengths = [r.get("response_length") or [] for r in cell.values()]
     at_cap = sum(sum(1 for v in run if v is not None and v >= cap - 1e-6) for run in lengths)
     steps = sum(len(run) for run in lengths)
-    return (f"responses {_shown(_mean(_mean(run[-10:]) for run in lengths if run), '.1f')} tokens over the last 10 "
+    return (f"responses {formatted(recorded_mean(recorded_mean(run[-10:]) for run in lengths if run), '.1f')} tokens over the last 10 "
             f"steps, all at the {cap}-token cap on {at_cap} of {steps} steps")
 
 
@@ -495,15 +486,15 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
         if diff.n < 2:
             continue
         if read == "removed":
-            parts = [f"{name} removes {_shown(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
-                     f"of the |A| mass, {_shown(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
+            parts = [f"{name} removes {formatted(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
+                     f"of the |A| mass, {formatted(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
                      "of its removed tokens with A > 0"
-                     + (f", {_shown(100 * _mean(_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
+                     + (f", {formatted(100 * recorded_mean(recorded_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
                         "of sequences as stale" if _has(cell, "mis_rs_stale_seq_fraction") else "")
                      + (f", {_response_lengths(cell)}" if _has(cell, "response_length") else "")
                      for name, cell in ((algorithm, a), (other, b))]
         else:
-            parts = [f"{name}: {_shown(100 * _mean(_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
+            parts = [f"{name}: {formatted(100 * recorded_mean(recorded_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
                      f"the clip range at the first minibatch, {_response_lengths(cell)}"
                      for name, cell in ((algorithm, a), (other, b))]
         lines.append(f"- {regime}, {question}: {verdict(algorithm, other, diff)}; " + "; ".join(parts))
