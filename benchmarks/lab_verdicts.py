@@ -2,7 +2,8 @@
 
     python benchmarks/lab_verdicts.py run [--regimes ...] [--seeds N] [--steps 40]   # resumable, one run at a time
     python benchmarks/lab_verdicts.py budget                                        # runs to do, CPU hours
-    python benchmarks/lab_verdicts.py tables [--docs docs/lab/verdicts.md]                    # tables, verdicts, figures
+    python benchmarks/lab_verdicts.py tables                                        # prints the tables, writes nothing
+    python benchmarks/lab_verdicts.py tables --docs docs/lab/verdicts.md            # + figures, analyzer's curve
 
 Every run is ``miles-mis train --model smollm2-135m`` (8 prompts × 4 samples a step, 2 minibatches, Adam 5e-5, the
 top 2 blocks trained) in a child process; its row (per-step reward, raw k3, the PPO ratio outside the clip range, …,
@@ -501,9 +502,11 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str | None]]:
+def sections(rows: list[dict], figures: Path | None,
+             curve_file: Path | None = None) -> list[tuple[str, str, str | None]]:
     """The tables as (title, markdown, figure file under ``figures`` or None): each regime, the mechanisms, and what
-    mismatch needs a correction (which also writes CURVE_FILE, the levels the analyzer reads)."""
+    mismatch needs a correction (with ``curve_file``, its points are also written there: CURVE_FILE is the levels the
+    analyzer reads)."""
     out = []
     for regime in REGIMES:
         table, sentences = regime_table(rows, regime)
@@ -516,8 +519,8 @@ def sections(rows: list[dict], figures: Path | None) -> list[tuple[str, str, str
     points = curve(rows)
     safe = [curve_table(points), "", *[f"- {level_sentence(safe_level(points, u))}" for u in UNCORRECTED]]
     name = "lab_verdicts_safe_mismatch.png" if points else None
-    if points:
-        write_curve(points, rows)
+    if points and curve_file is not None:
+        write_curve(points, rows, curve_file)
         if figures is not None:
             curve_figure(points, figures / name)
         elif not (FIGURES / name).exists():  # as for the regimes: the one drawn last time, if any
@@ -545,10 +548,12 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_verdicts"), help="the runs' files "
                         "(default: runs/lab_verdicts)")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
-    parser.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib)")
+    parser.add_argument("--no-figures", action="store_true", help="with --docs: no figures drawn (no matplotlib)")
     parser.add_argument("--docs", type=Path, default=None, help="with tables: write them into this markdown file "
-                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) instead of printing; "
-                        "with --no-figures it links the figures drawn last (default: print)")
+                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) instead of "
+                        "printing, draw the figures and write the analyzer's curve (miles_mis/analyze/"
+                        "safe_mismatch.json); with --no-figures it links the figures drawn last (default: print the "
+                        "tables and write nothing; `run` prints them too)")
     args = parser.parse_args()
     if args.part == "budget":
         left = todo(args.regimes, args.seeds, args.steps, args.results, only=args.algorithms)
@@ -561,7 +566,9 @@ def main() -> None:
         print(f"warning: {line}", file=sys.stderr)
     paired = one_machine_per_seed(all_rows, SEED, CELL, first_rollout)
     if args.docs is None:
-        print(tables(paired, None if args.no_figures else FIGURES))
+        # printing writes no file: the figures and the analyzer's curve belong to the docs page (--docs), and the
+        # rows printed may be another study's (--results), e.g. the long-horizon runs
+        print(tables(paired, None))
         return
     from lab_verdicts_docs import write_docs
 
@@ -569,7 +576,7 @@ def main() -> None:
     groups = by_machine(all_rows, SEED, CELL, first_rollout)  # (seed key..., first rollout) -> cells
     other_first_rollouts = len(groups) - len({key[:-1] for key in groups})
     hours_left = budget_line(list(REGIMES), left, args.steps, all_rows)
-    write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES), all_rows, args.steps,
+    write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES, CURVE_FILE), all_rows, args.steps,
                f"{len(left)} runs, {hours_left}" if left else hours_left, other_first_rollouts)
     print(f"wrote the tables into {args.docs}")
 

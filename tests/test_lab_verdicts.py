@@ -425,3 +425,27 @@ def test_budget_takes_the_quietest_runs_pace(verdicts):
     assert verdicts.budget_line(["fp32", "fp16"], left, 40, rows) == (
         "about 0.6 CPU hours left (fp32: 2 at 12.0 s/step, fp16: 1 at 22.0 s/step)")
     assert verdicts.budget_line(["fp32", "fp16"], [], 40, rows) == "every planned run is in"
+
+
+def test_printing_the_tables_writes_no_file(verdicts, tmp_path, monkeypatch):
+    """`run` and `tables` print the tables of whatever rows --results names (the long-horizon runs among them): the
+    analyzer's curve and the verdict figures are written only with --docs, so printing another study's rows cannot
+    overwrite the 40-step curve the analyzer ships."""
+    import json
+
+    rows = _regime_rows(verdicts, "bf16", 1.3e-3, {"standard": [0.7, 0.75], "decoupled_tis": [0.74, 0.7],
+                                                   "bypass": [0.7, 0.7]})
+    for row in rows:
+        row["first_rollout"] = "same"
+    results = tmp_path / "rows.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    curve_file, figures = tmp_path / "curve.json", tmp_path / "figures"
+    monkeypatch.setattr(verdicts, "CURVE_FILE", curve_file)
+    monkeypatch.setattr(verdicts, "FIGURES", figures)
+    monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "tables", "--results", str(results), "--steps", "20"])
+    verdicts.main()
+    assert not curve_file.exists() and not figures.exists()
+    # the same rows with a curve file named: it is written, with the paired bf16 point the print showed
+    verdicts.sections(rows, None, curve_file)
+    written = json.loads(curve_file.read_text())
+    assert written["steps"] == 20 and [p["regime"] for p in written["points"]] == ["bf16"]
