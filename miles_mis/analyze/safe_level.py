@@ -1,8 +1,8 @@
 """What mismatch needs a correction, as measured on a real model: the analyzer's reading of the lab's mismatch curve.
 
-``benchmarks/lab_verdicts.py tables`` writes ``safe_mismatch.json`` beside this module from its paired RL runs on
-SmolLM2-135M (vLLM): per engine regime, standard PPO's raw k3 and the best correction's paired gain over standard
-PPO with a 95 % interval, and from those two levels:
+``benchmarks/lab_verdicts.py tables --docs docs/lab/verdicts.md`` writes ``safe_mismatch.json`` beside this module
+from its paired RL runs on SmolLM2-135M (vLLM): per engine regime, standard PPO's raw k3 and the best correction's
+paired gain over standard PPO with a 95 % interval, and from those two levels:
 
 - ``safe_below``: the largest k3 up to which no regime showed a resolved gain from any correction, with the largest
   gain the intervals there leave open (``not_excluded``, at ``seeds`` seeds);
