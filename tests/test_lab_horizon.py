@@ -129,7 +129,9 @@ def test_a_resolved_difference_is_stated_and_is_no_null(lab_horizon, tmp_path):
     text = horizon.sentence(1e-3, data)
     # d = 0.05, 0.06, 0.07: mean 0.06, half = t(0.975, 2) * 0.01 / sqrt(3) = 0.0248
     assert "over the last 50 steps: +0.060 [+0.035, +0.085] over 3 seeds (resolved)" in text
-    assert "A null" not in text
+    # a resolved difference is no null, and it keeps the task's caveat
+    assert "A null" not in text and text.endswith("These are results over 300 steps, on a task where standard PPO's "
+                                                  "reward reached 0.90, on a 135M model with short responses.")
     # on 2 seeds an interval is shown as no verdict
     data["points"][0]["paired"][0]["at_end"].update(seeds=2, resolved=False)
     assert "over 2 seeds (no verdict)" in horizon.sentence(1e-3, data)
@@ -163,7 +165,7 @@ def test_another_resolved_pair_is_stated_with_its_late_k3(lab_horizon, tmp_path)
             "[+0.019, +0.023] over 3 seeds (their k3 over those steps: 1.00e-04 against 2.00e-04).") in text
     assert "Decoupled token TIS against standard PPO, over the last 50 steps: +0.000 [+0.000, +0.000] over 3 seeds " \
            "(not resolved)" in text
-    assert text.endswith("All of it over 300 steps, on a task where standard PPO's reward reached 0.90, at a "
+    assert text.endswith("These are results over 300 steps, on a task where standard PPO's reward reached 0.90, at a "
                          "mismatch that shrank as it trained, on a 135M model with short responses.")
 
 

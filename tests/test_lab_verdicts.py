@@ -427,7 +427,7 @@ def test_budget_takes_the_quietest_runs_pace(verdicts):
     assert verdicts.budget_line(["fp32", "fp16"], [], 40, rows) == "every planned run is in"
 
 
-def test_printing_the_tables_writes_no_file(verdicts, tmp_path, monkeypatch):
+def test_printing_the_tables_writes_no_file(verdicts, tmp_path, monkeypatch, capsys):
     """`run` and `tables` print the tables of whatever rows --results names (the long-horizon runs among them): the
     analyzer's curve and the verdict figures are written only with --docs, so printing another study's rows cannot
     overwrite the 40-step curve the analyzer ships."""
@@ -440,12 +440,19 @@ def test_printing_the_tables_writes_no_file(verdicts, tmp_path, monkeypatch):
     results = tmp_path / "rows.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
     curve_file, figures = tmp_path / "curve.json", tmp_path / "figures"
+    shipped = verdicts.CURVE_FILE.read_bytes()
+    written_to, write_curve = [], verdicts.write_curve
     monkeypatch.setattr(verdicts, "CURVE_FILE", curve_file)
     monkeypatch.setattr(verdicts, "FIGURES", figures)
+    monkeypatch.setattr(verdicts, "write_curve", lambda *a, **k: written_to.append(a))  # records, writes nothing
     monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "tables", "--results", str(results), "--steps", "20"])
     verdicts.main()
-    assert not curve_file.exists() and not figures.exists()
+    printed = capsys.readouterr().out
+    assert written_to == [] and not curve_file.exists() and not figures.exists()
+    assert (REPO / "miles_mis" / "analyze" / "safe_mismatch.json").read_bytes() == shipped
+    assert "### bf16" in printed and "figure:" not in printed  # no figure named: those on disk are another run's
     # the same rows with a curve file named: it is written, with the paired bf16 point the print showed
+    monkeypatch.setattr(verdicts, "write_curve", write_curve)
     verdicts.sections(rows, None, curve_file)
     written = json.loads(curve_file.read_text())
     assert written["steps"] == 20 and [p["regime"] for p in written["points"]] == ["bf16"]

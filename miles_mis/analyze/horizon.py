@@ -59,8 +59,8 @@ def _other_resolved(point: Mapping[str, Any], data: Mapping[str, Any], algorithm
     """The resolved differences over the last steps other than decoupled TIS against standard PPO (the sentence's
     own), each with both algorithms' late k3: a user of bypass needs to hear that bypass ended lower."""
     parts = []
-    for pair in point["paired"]:
-        if (pair["a"], pair["b"]) == ("decoupled_tis", "standard") or not pair["at_end"]["resolved"]:
+    for pair in point.get("paired", []):
+        if (pair["a"], pair["b"]) == ("decoupled_tis", "standard") or not pair.get("at_end", {}).get("resolved"):
             continue
         k3 = [_number(algorithms.get(name, {}).get("raw_k3_last_50")) for name in (pair["a"], pair["b"])]
         late = "" if None in k3 else f" (their k3 over those steps: {k3[0]:.2e} against {k3[1]:.2e})"
@@ -101,11 +101,12 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
         held = [NAMES.get(name, name) for name, a in algorithms.items() if not a["fell_back"]]
         text = (f"At {point['steps']} steps the lab's runs fell back ({at}): {lost} ended {below_best}"
                 + (f", while every run of {' and '.join(held)} held" if held else "") + ".")
+        text += _other_resolved(point, data, algorithms)
         return text + (f" Use {' or '.join(held)} and watch the reward and the gradient norm." if held else
                        " Watch the reward and the gradient norm.")
     counts = ", ".join(f"{NAMES.get(name, name)} on {_seeds(a['seeds'])}" for name, a in algorithms.items())
     text = f"At {point['steps']} steps no run fell back ({at}): no run ({counts}) ended {below_best}."
-    gap = next((p for p in point["paired"] if (p["a"], p["b"]) == ("decoupled_tis", "standard")), None)
+    gap = next((p for p in point.get("paired", []) if (p["a"], p["b"]) == ("decoupled_tis", "standard")), None)
     resolved = gap is not None and gap["at_end"]["resolved"]
     if gap is not None:
         end, early = gap["at_end"], gap["at_40"]
@@ -115,12 +116,10 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
                  f"({verdict}); at step {data['early']}: {_interval(early)}.")
     others = _other_resolved(point, data, algorithms)
     text += others
-    if resolved:
-        return text
     reward = _number(algorithms.get("standard", {}).get("reward_last_50"))
     ceiling = "" if reward is None else f", on a task where standard PPO's reward reached {reward:.2f}"
     # the lab's k3 falls as the policy sharpens: a null at a shrinking mismatch is weaker than at a steady one
     shrank = ", at a mismatch that shrank as it trained" if last is not None and last < point["k3"] / 2 else ""
-    # with other pairs resolved the caveat covers them too, so it does not call the whole reading a null
-    lead = "All of it" if others else "A null"
+    # the caveat covers whatever was resolved too; only where nothing was is the reading a null
+    lead = "These are results" if resolved or others else "A null"
     return f"{text} {lead} over {point['steps']} steps{ceiling}{shrank}, on a 135M model with short responses."
