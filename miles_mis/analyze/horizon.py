@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 POINTS = Path(__file__).with_name("long_horizon.json")
 NAMES = {"standard": "standard PPO", "bypass": "bypass", "decoupled_tis": "decoupled token TIS"}
+HEADLINE_PAIR = ("decoupled_tis", "standard")  # the pair the sentence always states; others only where resolved
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -56,11 +57,11 @@ def _seeds(seeds: list) -> str:
 
 
 def _other_resolved(point: Mapping[str, Any], data: Mapping[str, Any], algorithms: Mapping[str, Any]) -> str:
-    """The resolved differences over the last steps other than decoupled TIS against standard PPO (the sentence's
-    own), each with both algorithms' late k3: a user of bypass needs to hear that bypass ended lower."""
+    """The resolved differences over the last steps other than ``HEADLINE_PAIR`` (the sentence's own), each with both
+    algorithms' late k3: a user of bypass needs to hear that bypass ended lower."""
     parts = []
     for pair in point.get("paired", []):
-        if (pair["a"], pair["b"]) == ("decoupled_tis", "standard") or not pair.get("at_end", {}).get("resolved"):
+        if (pair["a"], pair["b"]) == HEADLINE_PAIR or not pair.get("at_end", {}).get("resolved"):
             continue
         k3 = [_number(algorithms.get(name, {}).get("raw_k3_last_50")) for name in (pair["a"], pair["b"])]
         late = "" if None in k3 else f" (their k3 over those steps: {k3[0]:.2e} against {k3[1]:.2e})"
@@ -106,7 +107,7 @@ def sentence(k3: Any, data: Mapping[str, Any] | None) -> str | None:
                        " Watch the reward and the gradient norm.")
     counts = ", ".join(f"{NAMES.get(name, name)} on {_seeds(a['seeds'])}" for name, a in algorithms.items())
     text = f"At {point['steps']} steps no run fell back ({at}): no run ({counts}) ended {below_best}."
-    gap = next((p for p in point.get("paired", []) if (p["a"], p["b"]) == ("decoupled_tis", "standard")), None)
+    gap = next((p for p in point.get("paired", []) if (p["a"], p["b"]) == HEADLINE_PAIR), None)
     resolved = gap is not None and gap["at_end"]["resolved"]
     if gap is not None:
         end, early = gap["at_end"], gap["at_40"]
