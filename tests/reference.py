@@ -62,11 +62,11 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
 
 
 def _estimators(t) -> dict[str, float]:
-    """Every estimator of a usable token: k1, k2, k3 of its clamped log ratio, and with p = π_train, q = π_rollout
+    """Every estimator of a usable token: k1 of its log ratio, k2 and k3 of its clamped log ratio, and with p = π_train, q = π_rollout
     of the sampled token: tv = p − q, atv = |p − q|, bkl = KL(Bern(q) ‖ Bern(p)) (p = q = 1 if not usable)."""
     c = _clamp(t["ell"])
     p, q = math.exp(min(t["train"], 0.0)), math.exp(min(t["rollout"], 0.0))
-    return {"k1": -c, "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q),
+    return {"k1": -t["ell"], "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q),
             "bkl": binary_kl(t["train"], t["rollout"])}
 
 

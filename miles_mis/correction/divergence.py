@@ -1,8 +1,12 @@
 """Rejection by divergence statistics (verl's k1/k2/k3 options), CP-aware like the rest of the core.
 
-With ℓ_t the clamped log ratio log(π_train/π_rollout) of a usable token (0 elsewhere):
+With ℓ_t the log ratio log(π_train/π_rollout) of a usable token (0 elsewhere) and c_t = clamp(ℓ_t, ±20):
 
-    k1_t = −ℓ_t          k2_t = ℓ_t² / 2          k3_t = e^{ℓ_t} − ℓ_t − 1 = expm1(ℓ_t) − ℓ_t
+    k1_t = −ℓ_t          k2_t = c_t² / 2          k3_t = e^{c_t} − c_t − 1 = expm1(c_t) − c_t
+
+k1 is the log ratio itself, unclamped, so its sums are the sequence's log ratio Σ_t ℓ_t exactly as the IS weight and
+``use_rs`` read it (docs/math.md#one-sequence-ratio): a token beyond ±20 moves a seq_sum or seq_mean k1 by its
+whole ℓ_t, not by 20. k2 and k3 bound each token's contribution as verl does.
 
 An option "<aggregation>_<k>" tests, per token (token) or per sequence (seq_sum: Σ_t k_t, seq_mean:
 Σ_t k_t / n, seq_max: max_t k_t):
@@ -71,13 +75,13 @@ _LOG_TINY = -745.0  # below log of the smallest float64: log(1 − p) at p = 1 s
 def token_estimators(log_ratio: Tensor, train_log_probs: Tensor | None = None,
                      rollout_log_probs: Tensor | None = None, needed: tuple[str, ...] = ("k1", "k2", "k3")
                      ) -> dict[str, Tensor]:
-    """The ``needed`` estimators per token: k1, k2, k3 from the clamped ℓ (0 where not usable, where every k is 0);
-    k3 = expm1(c) − c in float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree); tv, atv,
+    """The ``needed`` estimators per token: k1 from ℓ, k2 and k3 from the clamped ℓ (0 where not usable, where every
+    k is 0); k3 = expm1(c) − c in float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree); tv, atv,
     bkl from the usable log-probs (0 where not usable, where the core zeroes them: p = q = 1)."""
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     out = {}
     if "k1" in needed:
-        out["k1"] = -clamped
+        out["k1"] = -log_ratio
     if "k2" in needed:
         out["k2"] = clamped.square().mul_(0.5)
     if "k3" in needed:
