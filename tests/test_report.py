@@ -2,7 +2,6 @@
 in the schema of ``miles_mis.analyze.statistics`` and hand-made advisor results."""
 
 import copy
-import importlib
 import json
 import math
 import sys
@@ -11,11 +10,10 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
+from miles_mis.analyze import (comparison, config_text, figures, formatting, report_files, report_json,
+                               report_markdown, report_sentences, report_tables)
 from miles_mis.config import MisConfig
 
-# by module path: the package's attribute "report" may be the v1 report() function it re-exports
-report = importlib.import_module("miles_mis.analyze.report")
-figures = importlib.import_module("miles_mis.analyze.figures")
 
 SECTIONS = ("## Whole-dump statistics", "## Where the mismatch lives", "### By token position",
             "### By rollout probability", "### By response length", "### Over calls (training time)",
@@ -123,14 +121,14 @@ def section(markdown, heading):
 # --------------------------------------------------------------------------- Markdown
 def test_markdown_has_every_section_and_the_values():
     statistics, results, rec = make_statistics(), make_results(), make_recommendation()
-    markdown = report.render_markdown(statistics, results, rec, title="analysis of /dumps", figures=None)
+    markdown = report_markdown.render_markdown(statistics, results, rec, title="analysis of /dumps", figures=None)
     assert markdown.startswith("# analysis of /dumps\n")
     positions = [markdown.index(heading) for heading in SECTIONS]
     assert positions == sorted(positions)
     assert markdown.index("**Warning:** call 5 lacks rank 1") < positions[0]
     assert "**Warning:** 0.01042 of the valid tokens have NaN/inf log-probs" in markdown
     whole = section(markdown, "## Whole-dump statistics")
-    for key in report.STATISTICS:
+    for key in report_tables.STATISTICS:
         assert f"| {key} |" in whole
     assert "| k3 | 0.0001235 |" in whole and "| max_abs_log_ratio | 5.432 |" in whole
     assert "| fraction_ratio_below_half | n/a |" in whole and "| tokens | 1920 |" in whole
@@ -152,7 +150,7 @@ def test_markdown_has_every_section_and_the_values():
 
 
 def test_candidates_grouped_by_level_largest_ess_first_and_the_recommendation():
-    markdown = report.render_markdown(make_statistics(), make_results(), make_recommendation(), title="t")
+    markdown = report_markdown.render_markdown(make_statistics(), make_results(), make_recommendation(), title="t")
     rows = [line for line in section(markdown, "## Candidate configurations").splitlines() if line.startswith("| ")]
     names = [row.split(" | ")[0][2:] for row in rows[1:]]
     assert names == ["**mis** (recommended)", "token_tis", "geo_tis_3", "seq_tis_3"]
@@ -162,39 +160,40 @@ def test_candidates_grouped_by_level_largest_ess_first_and_the_recommendation():
     recommendation = section(markdown, "## Recommendation")
     assert recommendation.startswith("## Recommendation: `mis`")
     assert "- tokens with rho < 1e-4 exist: use a veto" in recommendation
-    assert f"`{report.USAGE} FILE`" in recommendation
+    assert f"`{report_markdown.USAGE} FILE`" in recommendation
     assert "--use-tis --custom-tis-function-path miles_mis.compute_mis_weights_with_cp --custom-config-path" \
         in recommendation
     block = recommendation.split("```yaml\n")[1].split("```")[0]
     assert MisConfig.from_dict(yaml.safe_load(block)) == MisConfig.preset("mis", use_tis=True)
-    named = report.render_markdown(make_statistics(), {}, make_recommendation(), title="t", config_path="out/mis.yaml")
-    assert "It is written to `out/mis.yaml`." in named and f"`{report.USAGE} out/mis.yaml`" in named
+    named = report_markdown.render_markdown(make_statistics(), {}, make_recommendation(), title="t",
+                                            config_path="out/mis.yaml")
+    assert "It is written to `out/mis.yaml`." in named and f"`{report_markdown.USAGE} out/mis.yaml`" in named
     assert "No candidate was evaluated." in named
 
 
 def test_no_recommendation_says_why():
     rec = Rec(None, None, ["the engine's log-probs are broken: 40% of valid tokens are NaN/inf"])
-    markdown = report.render_markdown(make_statistics(), {}, rec, title="t")
+    markdown = report_markdown.render_markdown(make_statistics(), {}, rec, title="t")
     assert "## Recommendation: none\n\n- the engine's log-probs are broken" in markdown
-    assert report.USAGE not in markdown
-    assert "## Recommendation: none\n\n- no recommendation made" in report.render_markdown(make_statistics(), {}, None,
-                                                                                            title="t")
+    assert report_markdown.USAGE not in markdown
+    assert "## Recommendation: none\n\n- no recommendation made" in report_markdown.render_markdown(
+        make_statistics(), {}, None, title="t")
 
 
 def test_markdown_and_json_never_show_nan_or_inf():
     bad, results = nonfinite(make_statistics()), make_results()
     results["mis"]["ess"], results["token_tis"]["max_final_weight"] = math.nan, math.inf
-    markdown = report.render_markdown(bad, results, make_recommendation(), title="t")
+    markdown = report_markdown.render_markdown(bad, results, make_recommendation(), title="t")
     assert "| k1 | n/a |" in markdown and "| chi2_token | n/a |" in markdown and "| 0.999 | n/a | n/a |" in markdown
     assert "nan" not in markdown.lower().replace("nan/inf", "") and "| inf" not in markdown
-    data = report.to_json(bad, results, make_recommendation())
+    data = report_json.to_json(bad, results, make_recommendation())
     text = json.dumps(data, allow_nan=False)
     assert data["k1"] is None and data["by_call"][2]["k3"] is None and data["candidates"]["mis"]["ess"] is None
     assert json.loads(text)["trend"]["growth"] is None
 
 
 def test_json_has_the_required_keys():
-    data = report.to_json(make_statistics(), make_results(), make_recommendation())
+    data = report_json.to_json(make_statistics(), make_results(), make_recommendation())
     for key in ("files", "sequences", "tokens", "nonfinite_fraction", "k3", "by_position", "by_rollout_prob",
                 "by_length", "by_call", "candidates", "recommendation"):
         assert key in data, key
@@ -205,7 +204,7 @@ def test_json_has_the_required_keys():
     assert data["candidates"]["token_tis"]["ess"] == 0.97
     assert data["trend_sentence"].startswith("k3 grows over calls") and "dense models" in data["k3_context"]
     json.dumps(data, allow_nan=False)
-    empty = report.to_json({"warnings": []}, None, Rec(None, None, ["nothing"]))
+    empty = report_json.to_json({"warnings": []}, None, Rec(None, None, ["nothing"]))
     assert empty["k3"] is None and empty["by_call"] == [] and empty["candidates"] == {}
     assert empty["recommendation"] == {"name": None, "config": None, "reasons": ["nothing"]}
 
@@ -215,7 +214,7 @@ def test_json_has_the_required_keys():
                                        (0.02, "within that for MoE"), (0.5, "above the ranges published"),
                                        (None, "cannot be placed")])
 def test_k3_against_published_ranges(k3, words):
-    assert words in report.k3_context({"k3": k3})
+    assert words in report_sentences.k3_context({"k3": k3})
 
 
 @pytest.mark.parametrize("per_call, words", [
@@ -228,30 +227,30 @@ def test_k3_against_published_ranges(k3, words):
     ((1e-4,), "no trend, it needs per-call k3 on at least 2 calls (this dump has 1)"),
 ])
 def test_trend_sentence(per_call, words):
-    assert words in report.trend_sentence(make_statistics(per_call))
+    assert words in report_sentences.trend_sentence(make_statistics(per_call))
 
 
 def test_numbers_have_four_significant_digits():
-    assert [report.fmt(v) for v in (0.000123456, 5.43219, 1920, 40.0, 123456.7, None, math.nan, -math.inf, True)] \
+    assert [formatting.fmt(v) for v in (0.000123456, 5.43219, 1920, 40.0, 123456.7, None, math.nan, -math.inf, True)] \
         == ["0.0001235", "5.432", "1920", "40", "1.235e+05", "n/a", "n/a", "n/a", "n/a"]
 
 
 def test_summary_text_is_a_few_lines():
-    text = report.summary_text(make_statistics(), make_results(), make_recommendation())
+    text = report_files.summary_text(make_statistics(), make_results(), make_recommendation())
     lines = text.splitlines()
     assert 3 <= len(lines) <= 6
     assert lines[0] == "4 dump files, 6 calls, 48 sequences, 1920 valid tokens (1900 usable)."
     assert "token k3 = 0.0001235" in text and "non-finite log-probs: 0.01042" in text
     assert "k3 grows over calls" in text
     assert lines[-1].startswith("recommendation of 4 candidates: mis (tokens with rho < 1e-4")
-    assert report.summary_text(make_statistics(), {}, Rec(None, None, ["broken"])).splitlines()[-1] == \
+    assert report_files.summary_text(make_statistics(), {}, Rec(None, None, ["broken"])).splitlines()[-1] == \
         "recommendation: none (broken)"
 
 
 # --------------------------------------------------------------------------- files and figures
 def test_write_report_with_figures(tmp_path):
     pytest.importorskip("matplotlib")
-    paths = report.write_report(tmp_path / "out", make_statistics(), make_results(), make_recommendation(),
+    paths = report_files.write_report(tmp_path / "out", make_statistics(), make_results(), make_recommendation(),
                                 title="analysis")
     pngs = sorted((tmp_path / "out").glob("*.png"))
     assert len(pngs) == 5 and set(pngs) == {paths[key] for key in figures.FIGURES}
@@ -302,7 +301,7 @@ def test_without_matplotlib_the_report_says_how_to_get_figures(tmp_path, monkeyp
     assert not figures.figures_available()
     with pytest.raises(ImportError, match=r'pip install "miles-mis\[figures\]"'):
         figures.write_figures(make_statistics(), tmp_path / "figs")
-    paths = report.write_report(tmp_path / "out", make_statistics(), make_results(), make_recommendation(),
+    paths = report_files.write_report(tmp_path / "out", make_statistics(), make_results(), make_recommendation(),
                                 title="analysis")
     assert set(paths) == {"markdown", "json"} and not list((tmp_path / "out").glob("*.png"))
     assert 'pip install "miles-mis[figures]"' in paths["markdown"].read_text()
@@ -312,7 +311,7 @@ def test_without_matplotlib_the_report_says_how_to_get_figures(tmp_path, monkeyp
 def test_figures_turned_off(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "figures_available", lambda: True)
     monkeypatch.setattr(figures, "write_figures", lambda *a, **k: pytest.fail("figures drawn"))
-    paths = report.write_report(tmp_path, make_statistics(), {}, make_recommendation(), title="t",
+    paths = report_files.write_report(tmp_path, make_statistics(), {}, make_recommendation(), title="t",
                                 with_figures=False)
     assert "Figures not drawn (turned off: --no-figures)." in paths["markdown"].read_text()
 
@@ -325,7 +324,7 @@ def test_comparison_highlights_a_tenfold_k3(tmp_path):
     b["fraction_ratio_below_half"] = 0.001  # None in A: a value on one side only
     b["tokens"] = 1920 * 5  # a size, not a difference
     rec_b = Rec("token_tis", MisConfig.preset("token_tis", use_tis=True), ["moderate mismatch"])
-    markdown = report.render_comparison(a, b, make_results(), make_results(), make_recommendation(), rec_b,
+    markdown = comparison.render_comparison(a, b, make_results(), make_results(), make_recommendation(), rec_b,
                                         names=("bf16", "fp8"))
     assert "| k3 | **0.0001235** | **0.001235** | **10** |" in markdown
     assert "| fraction_ratio_below_half | **n/a** | **0.001** | **n/a** |" in markdown
@@ -342,7 +341,7 @@ def test_comparison_highlights_a_tenfold_k3(tmp_path):
     for heading in ("## Whole-dump statistics", "### By token position", "### By rollout probability",
                     "### By response length", "### Over calls", "## Candidate configurations", "## Recommendations"):
         assert heading in markdown
-    paths = report.write_comparison(tmp_path, a, b, make_results(), make_results(), make_recommendation(), rec_b,
+    paths = comparison.write_comparison(tmp_path, a, b, make_results(), make_results(), make_recommendation(), rec_b,
                                     names=("bf16", "fp8"))
     data = json.loads(paths["json"].read_text())
     assert set(data) == {"names", "a", "b", "differences"} and data["b"]["k3"] == b["k3"]
@@ -353,17 +352,17 @@ def test_comparison_highlights_a_tenfold_k3(tmp_path):
 
 def test_comparison_of_equal_dumps_has_no_differences():
     a = make_statistics()
-    markdown = report.render_comparison(a, copy.deepcopy(a), {}, {}, make_recommendation(), make_recommendation())
+    markdown = comparison.render_comparison(a, copy.deepcopy(a), {}, {}, make_recommendation(), make_recommendation())
     assert "None: every mismatch statistic of B is within a factor 2 of A's." in markdown
     assert "**" not in section(markdown, "## Whole-dump statistics")
     assert "Both dumps get the same recommendation." in markdown
-    data = report.comparison_json(nonfinite(a), a, None, None, None, None)
+    data = comparison.comparison_json(nonfinite(a), a, None, None, None, None)
     json.dumps(data, allow_nan=False)
-    assert report.differs(0.0, 1e-9) and not report.differs(0.0, 0.0) and not report.differs(None, None)
+    assert comparison.differs(0.0, 1e-9) and not comparison.differs(0.0, 0.0) and not comparison.differs(None, None)
 
 
 def test_config_descriptions():
-    describe = report.describe_config
+    describe = config_text.describe_config
     assert describe(MisConfig.preset("k3_rs", use_tis=True).to_dict()) == "truncate [0.5, 2]; reject seq_mean_k3 > 0.01"
     assert describe(MisConfig.preset("geo_rs", use_tis=True).to_dict()).endswith(
         "reject seq_mean_k1 outside [0.999, 1.001]")

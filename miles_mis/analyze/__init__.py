@@ -2,8 +2,10 @@
 
 A package, one concept a module: ``reading`` (discovery, validation, streaming by call), ``statistics``
 (where the mismatch lives), ``advisor`` (candidate configs on the dumped tokens, the recommendation,
-``--write-config``), ``figures`` and ``report`` (Markdown, JSON, PNG, comparison of two dumps), and
-``command`` (the pipeline and the command line). docs/analyze.md explains every section of the report.
+``--write-config``), the report (``report_markdown``, ``report_json``, ``figures`` for the PNGs, ``report_files``
+writing them with a stdout summary; ``report_tables``, ``report_sentences``, ``config_text`` and ``formatting`` are
+their parts), ``comparison`` (two dumps side by side), and ``command`` (the pipeline and the command line).
+docs/analyze.md explains every section of the report.
 """
 
 from .advisor import NONFINITE_LIMIT, CandidateEvaluator, Recommendation, candidate_grid, recommend, write_config

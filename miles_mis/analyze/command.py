@@ -19,8 +19,11 @@ from ..config import MisConfig, load_yaml_mapping
 from ..correction.divergence import DIRECTIONAL
 from ..correction.staleness import lag_keys_in_use
 from ..inputs.advantages import needed as reads_advantages
-from . import advisor, report
+from . import advisor
+from .comparison import render_comparison, write_comparison
 from .reading import DumpReader
+from .report_files import summary_text, write_report
+from .report_markdown import render_markdown
 from .statistics import StatisticsAccumulator
 
 NONFINITE_LIMIT = advisor.NONFINITE_LIMIT
@@ -155,24 +158,24 @@ def _write(args: argparse.Namespace, first: Analysis, second: Analysis | None) -
     """Write what was asked for; returns what goes to stdout."""
     if second is not None:
         names = (str(first.directory), str(second.directory))
-        comparison = report.render_comparison(first.statistics, second.statistics, first.results, second.results,
-                                              first.recommendation, second.recommendation, names=names)
+        comparison = render_comparison(first.statistics, second.statistics, first.results, second.results,
+                                       first.recommendation, second.recommendation, names=names)
         if args.out_dir:
-            report.write_comparison(args.out_dir, first.statistics, second.statistics, first.results,
-                                    second.results, first.recommendation, second.recommendation, names=names)
+            write_comparison(args.out_dir, first.statistics, second.statistics, first.results, second.results,
+                             first.recommendation, second.recommendation, names=names)
         if args.out:
             args.out.write_text(comparison)
         return comparison
     title = f"miles_mis analysis of {first.directory}"
     if args.out_dir:
-        report.write_report(args.out_dir, first.statistics, first.results, first.recommendation, title=title,
-                            with_figures=not args.no_figures, config_path=args.write_config)
-        text = report.summary_text(first.statistics, first.results, first.recommendation)
+        write_report(args.out_dir, first.statistics, first.results, first.recommendation, title=title,
+                     with_figures=not args.no_figures, config_path=args.write_config)
+        text = summary_text(first.statistics, first.results, first.recommendation)
         markdown = (args.out_dir / "report.md").read_text()
     else:
-        text = markdown = report.render_markdown(first.statistics, first.results, first.recommendation, title=title,
-                                                 figures=None, config_path=args.write_config,
-                                                 figures_note="figures: pass --out-dir DIR to write them")
+        text = markdown = render_markdown(first.statistics, first.results, first.recommendation, title=title,
+                                          figures=None, config_path=args.write_config,
+                                          figures_note="figures: pass --out-dir DIR to write them")
     if args.out:
         args.out.write_text(markdown)
     return text

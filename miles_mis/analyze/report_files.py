@@ -1,0 +1,54 @@
+"""The analyze report written to a directory (``write_report``: report.md, report.json and, with matplotlib, the
+PNGs) and the few lines printed instead of it (``summary_text``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import figures as _figures
+from . import safe_level as _safe_level
+from .config_text import recommendation_name
+from .formatting import fmt, write_json
+from .report_json import to_json
+from .report_markdown import render_markdown
+from .report_sentences import size_line, trend_sentence
+
+
+def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[str, Any] | None,
+                 recommendation: Any, *, title: str, with_figures: bool = True,
+                 config_path: Path | str | None = None) -> dict[str, Path]:
+    """OUT/report.md, OUT/report.json and (with matplotlib, unless with_figures is False) the PNGs.
+    Returns {"markdown": …, "json": …, <figure key>: …}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures, note = None, None if with_figures else "Figures not drawn (turned off: --no-figures)."
+    if with_figures and _figures.figures_available():
+        bounds = _figures.candidate_bounds(results, first=recommendation_name(recommendation))
+        figures = _figures.write_figures(statistics, out_dir, candidates=results, bounds=bounds)
+    paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json"}
+    paths["markdown"].write_text(render_markdown(statistics, results, recommendation, title=title, figures=figures,
+                                                 config_path=config_path, figures_note=note), encoding="utf-8")
+    data = to_json(statistics, results, recommendation)
+    data["figures"] = [p.name for p in figures] if figures is not None else None
+    write_json(paths["json"], data)
+    for key, path in zip(_figures.FIGURES, figures or []):
+        paths[key] = path
+    return paths
+
+
+def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any) -> str:
+    """A few lines for stdout: size, k3, non-finite share, trend, recommendation."""
+    name, reasons = recommendation_name(recommendation), list(getattr(recommendation, "reasons", None) or [])
+    lines = [size_line(statistics).split(". ")[0] + ".",
+             f"token k3 = {fmt(statistics.get('k3'))}, mean |Δ log p| = {fmt(statistics.get('mean_abs_log_ratio'))}, "
+             f"max |Δ log p| = {fmt(statistics.get('max_abs_log_ratio'))}",
+             f"non-finite log-probs: {fmt(statistics.get('nonfinite_fraction'))} of valid tokens",
+             trend_sentence(statistics)]
+    safe = _safe_level.for_dump(statistics, _safe_level.load())
+    if safe is not None:
+        lines.append(safe)
+    first = f" ({reasons[0]})" if reasons else ""
+    evaluated = f" of {len(results)} candidates" if results else ""
+    lines.append(f"recommendation{evaluated}: {name if name is not None else 'none'}{first}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,210 @@
+"""The analyze report in Markdown (``render_markdown``): the sections, in report order, from the statistics dict
+(``statistics.py``'s schema), the advisor's candidate results and its recommendation. docs/analyze.md explains every
+section."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from . import figures as _figures
+from . import safe_level as _safe_level
+from . import truncation as _truncation
+from .config_text import config_dict, config_yaml, describe_config, recommendation_name
+from .figures import finite_number as _finite
+from .formatting import fmt, markdown_table
+from .report_sentences import attribution_sentence, k3_context, size_line, trend_sentence, warning_lines
+from .report_tables import BUCKET_NOTES, BUCKETS, STATISTICS, filled_rows, scalar_keys
+
+USAGE = "--use-tis --custom-tis-function-path miles_mis.compute_mis_weights_with_cp --custom-config-path"
+CANDIDATE_COLUMNS = [("kept_token_fraction", "kept tokens"), ("kept_sequence_fraction", "kept sequences"),
+                     ("ess", "ESS"), ("mean_final_weight", "mean weight"), ("max_final_weight", "max weight"),
+                     ("bounded_fraction", "bounded"), ("signal_shift", "signal shift"), ("signal_bias", "signal bias")]
+LEVEL_ORDER = ("token", "geometric", "sequence")
+MAX_CALL_ROWS = 40
+
+
+# --------------------------------------------------------------------------- the report
+def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any, *,
+                    title: str, figures: Sequence[Path] | None = None, config_path: Path | str | None = None,
+                    figures_note: str | None = None) -> str:
+    """The Markdown report. figures: the PNGs of ``figures.write_figures``, linked by file name (the report is
+    written next to them); None: a note says why there are none (figures_note, or how to get them).
+    config_path: where the recommended config was written, named in the usage line."""
+    lines = [f"# {title}", ""]
+    lines += warning_lines(statistics)
+    lines += [size_line(statistics), ""]
+    if figures is None:
+        lines += [f"_{figures_note or _figures_note()}_", ""]
+    lines += _whole_dump(statistics)
+    lines += _truncation_section(statistics)
+    lines += ["## Where the mismatch lives", ""]
+    for key in BUCKETS:
+        lines += _bucket_section(statistics, key, figures)
+    lines += _lag_section(statistics)
+    lines += _calls_section(statistics, figures)
+    lines += _histogram_section(statistics, figures)
+    lines += _worst_section(statistics)
+    lines += _safe_level_section(statistics)
+    lines += _candidates_section(results, recommendation)
+    lines += _recommendation_section(recommendation, config_path)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _figures_note() -> str:
+    if not _figures.figures_available():
+        return ('Figures not drawn: matplotlib is not installed. Install it with pip install "miles-mis[figures]" '
+                "and run the analysis again to get the PNGs.")
+    return ("Figures not drawn here: write the report to a directory (miles-mis analyze DUMP_DIR --out-dir OUT) to "
+            "get the PNGs.")
+
+
+def _figure(figures: Sequence[Path] | None, key: str, caption: str) -> list[str]:
+    for path in figures or []:
+        if Path(path).name == _figures.FIGURES[key]:
+            return [f"![{caption}]({Path(path).name})", ""]
+    return []
+
+
+def _peak(rows: Sequence[Mapping], label: str, count: str, statistics: Mapping[str, Any]) -> list[str]:
+    """'k3 is largest at …: x (r × the whole-dump k3, n tokens).'"""
+    values = [(row, _finite(row.get("k3"))) for row in rows]
+    values = [(row, v) for row, v in values if v is not None]
+    if len(values) < 2:
+        return []
+    row, top = max(values, key=lambda item: item[1])
+    whole = _finite(statistics.get("k3"))
+    ratio = f"{fmt(top / whole)} × the whole-dump k3, " if whole else ""
+    return [f"k3 is largest at {label} {row.get('bucket')}: {fmt(top)} ({ratio}{fmt(row.get(count))} {count}).", ""]
+
+
+# --------------------------------------------------------------------------- sections
+def _truncation_section(statistics: Mapping[str, Any]) -> list[str]:
+    """The unreplayed-truncation detector over the dump, in words."""
+    values = statistics.get("truncation")
+    if not values:
+        return []
+    return (["## Truncated sampling", ""] + _truncation.advice(values["negative_fraction"],
+                                                               values["standardized_mean"], values["mean"],
+                                                               bool(values["fired"]))
+            + [""])
+
+
+def _safe_level_section(statistics: Mapping[str, Any]) -> list[str]:
+    """This dump's k3 against the mismatch measured safe on a real model (``safe_level``), when one is shipped."""
+    text = _safe_level.for_dump(statistics, _safe_level.load())
+    return [] if text is None else ["## Does this mismatch need a correction?", "", text, ""]
+
+
+def _whole_dump(statistics: Mapping[str, Any]) -> list[str]:
+    rows = [[key, fmt(statistics.get(key)), STATISTICS.get(key, "")] for key in scalar_keys(statistics)]
+    return (["## Whole-dump statistics", ""] + markdown_table(["statistic", "value", "what it is"], rows)
+            + [k3_context(statistics), ""])
+
+
+def _bucket_section(statistics: Mapping[str, Any], key: str, figures: Sequence[Path] | None) -> list[str]:
+    heading, bucket, count, metrics = BUCKETS[key]
+    rows = filled_rows(statistics.get(key), count)
+    lines = [f"### {heading}", "", BUCKET_NOTES[key], ""]
+    if not rows:
+        return lines + ["No data.", ""]
+    counts = ["sequences", "tokens"] if key == "by_length" else [count]
+    table = [[str(row.get("bucket"))] + [fmt(row.get(c)) for c in counts] + [fmt(row.get(m)) for m, _ in metrics]
+             for row in rows]
+    lines += markdown_table([bucket] + counts + [name for _, name in metrics], table)
+    return lines + _peak(rows, bucket, count, statistics) + _figure(figures, key, heading)
+
+
+def _lag_section(statistics: Mapping[str, Any]) -> list[str]:
+    """By version lag, and how much of the mismatch is staleness (only when the dump records lags)."""
+    rows = statistics.get("by_lag") or []
+    if not rows:
+        return []
+    lines = ["### By version lag", "", "Sequences grouped by how many weight versions behind the trainer they were "
+             "generated (asynchronous training); k3 is the mean over their tokens.", ""]
+    lines += markdown_table(["lag", "sequences", "tokens", "k3", "k1", "mean |Δ log p|"],
+                            [[str(row["bucket"]), fmt(row["sequences"]), fmt(row["tokens"]), fmt(row["k3"]),
+                              fmt(row["k1"]), fmt(row["mean_abs_log_ratio"])] for row in rows])
+    return lines + [attribution_sentence(statistics.get("lag_attribution")), ""]
+
+
+def _calls_section(statistics: Mapping[str, Any], figures: Sequence[Path] | None) -> list[str]:
+    rows = list(statistics.get("by_call") or [])
+    lines = ["### Over calls (training time)", "", trend_sentence(statistics), ""]
+    if len(rows) > MAX_CALL_ROWS:
+        half = MAX_CALL_ROWS // 2
+        lines += [f"The first and last {half} of {len(rows)} calls (all of them in report.json).", ""]
+        rows = rows[:half] + [None] + rows[-half:]
+    columns = ["call", "sequences", "tokens", "k3", "k1", "max_abs_log_ratio", "nonfinite_fraction"]
+    table = [["…"] * len(columns) if row is None else [fmt(row.get(c)) for c in columns] for row in rows]
+    lines += markdown_table(["call", "sequences", "tokens", "k3", "k1", "max |Δ log p|", "non-finite"], table)
+    return lines + _figure(figures, "by_call", "k3 over calls with its least-squares trend")
+
+
+def _histogram_section(statistics: Mapping[str, Any], figures: Sequence[Path] | None) -> list[str]:
+    quantiles = statistics.get("quantiles") or {}
+    lines = ["### Distribution of the token log ratio", "",
+             "Quantiles of l = log ρ over the usable tokens (from the histogram, linear within a bin).", ""]
+    rows = []
+    for name, value in quantiles.items():
+        number = _finite(value)
+        ratio = math.exp(number) if number is not None and number < 700 else None
+        rows.append([str(name), fmt(number), fmt(ratio)])
+    lines += markdown_table(["quantile", "l", "ρ = exp(l)"], rows) if rows else ["No quantiles.", ""]
+    return lines + _figure(figures, "histogram", "histogram of the token log ratio with candidate bounds")
+
+
+def _worst_section(statistics: Mapping[str, Any]) -> list[str]:
+    rows = list(statistics.get("worst_sequences") or [])
+    lines = ["### Worst sequences", "", "The sequences with the largest k3 (mean over their usable tokens).", ""]
+    if not rows:
+        return lines + ["None.", ""]
+    columns = ["call", "index", "length", "k3", "max_abs_log_ratio", "worst_position"]
+    return lines + markdown_table(["call", "index", "length", "k3", "max |l|", "position of the worst token"],
+                                  [[fmt(row.get(c)) for c in columns] for row in rows])
+
+
+# --------------------------------------------------------------------------- candidates and recommendation
+def _sorted_candidates(results: Mapping[str, Any]) -> list[tuple[str, Mapping]]:
+    """Grouped by level (token, geometric, sequence, others), by ESS (largest first) within a level."""
+    def key(item):
+        name, result = item
+        level = (result.get("config") or {}).get("tis_level", "")
+        ess = _finite(result.get("ess"))
+        rank = LEVEL_ORDER.index(level) if level in LEVEL_ORDER else len(LEVEL_ORDER)
+        return rank, ess is None, -(ess or 0.0), name
+    return sorted(((str(n), r or {}) for n, r in results.items()), key=key)
+
+
+def _candidates_section(results: Mapping[str, Any] | None, recommendation: Any) -> list[str]:
+    lines = ["## Candidate configurations on these tokens", ""]
+    if not results:
+        return lines + ["No candidate was evaluated.", ""]
+    lines += ["Each candidate's correction applied to the dumped tokens (use_tis on), grouped by level, largest ESS "
+              "first. kept: the share of valid tokens / sequences trained on; ESS: (Σw)² / (N Σw²) of the final "
+              "weights (1 = uniform, nothing rejected); bounded: the share of kept tokens whose weight a bound "
+              "changed (a bias proxy); signal shift: the |A|-weighted mean |w − 1| (0 = gradient signal unchanged, "
+              "1 = as much as rejecting every token); signal bias: its signed counterpart.", ""]
+    chosen = recommendation_name(recommendation)
+    rows = []
+    for name, result in _sorted_candidates(results):
+        config = config_dict(result.get("config"))
+        label = f"**{name}** (recommended)" if name == chosen else name
+        rows.append([label, str(config.get("tis_level", "n/a")), describe_config(config)]
+                    + [fmt(result.get(key)) for key, _ in CANDIDATE_COLUMNS])
+    return lines + markdown_table(["candidate", "level", "correction"] + [h for _, h in CANDIDATE_COLUMNS], rows)
+
+
+def _recommendation_section(recommendation: Any, config_path: Path | str | None) -> list[str]:
+    name, reasons = recommendation_name(recommendation), list(getattr(recommendation, "reasons", None) or [])
+    config = getattr(recommendation, "config", None) if recommendation is not None else None
+    if name is None or config is None:
+        return (["## Recommendation: none", ""] + [f"- {reason}" for reason in reasons or ["no recommendation made"]]
+                + [""])
+    lines = [f"## Recommendation: `{name}`", ""] + [f"- {reason}" for reason in reasons] + [""]
+    lines += ["The configuration:", "", "```yaml", config_yaml(config).rstrip(), "```", ""]
+    target = str(config_path) if config_path is not None else "FILE"
+    where = (f"It is written to `{config_path}`." if config_path is not None
+             else "Save it as a YAML file FILE.")
+    return lines + [f"{where} Use it with `{USAGE} {target}`.", ""]
