@@ -11,8 +11,8 @@ import sys
 import torch
 import yaml
 
-from miles_mis.example_batch import make_example_batch
-from miles_mis.reporting import reduce_metrics
+from miles_mis.cli.example_batch import make_example_batch
+from miles_mis.cli.reporting import reduce_metrics
 
 config_path = sys.argv[1] if len(sys.argv) > 1 else "configs/mis.yaml"
 args = argparse.Namespace(use_tis=True, get_mismatch_metrics=False, qkv_format="thd", calculate_per_token_loss=False)

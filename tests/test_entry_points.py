@@ -11,8 +11,8 @@ import yaml
 from conftest import DEVICE, on_device
 
 import miles_mis
-from miles_mis.example_batch import make_example_batch
-from miles_mis.reporting import reduce_metrics
+from miles_mis.cli.example_batch import make_example_batch
+from miles_mis.cli.reporting import reduce_metrics
 
 
 def load_function(path: str):
@@ -22,7 +22,7 @@ def load_function(path: str):
 
 
 def example_batch(**kwargs) -> dict:
-    """miles_mis.example_batch's batch with its tensors on the test device."""
+    """miles_mis.cli.example_batch's batch with its tensors on the test device."""
     batch = make_example_batch(**kwargs)
     return {key: on_device(value) if key.endswith(("log_probs", "masks")) else value for key, value in batch.items()}
 

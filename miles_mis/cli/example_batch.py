@@ -1,9 +1,10 @@
-"""A small synthetic micro-batch with a genuine numeric mismatch, for the CLI demo and benchmarks.
+"""A small synthetic micro-batch with a genuine numeric mismatch, for ``miles-mis plugin-demo``, the tests and
+examples/call_like_a_host.py.
 
 Logits are random (seeded); the "trainer" scores sampled tokens with a float32 log-softmax of the
 logits, the "rollout engine" samples and scores them from the same logits rounded to bfloat16, as
-a bf16 inference kernel would. Nothing here is a real model: it is a reproducible stand-in until
-the lab (a real RL run) exists.
+a bf16 inference kernel would. Nothing here is a real model: it is a reproducible stand-in for one
+micro-batch; real RL runs with their engines' mismatch are the lab's (``miles_mis.lab``, ``miles-mis demo``).
 """
 
 from __future__ import annotations

@@ -21,25 +21,26 @@ from pathlib import Path
 
 import torch
 
-from .config import MisConfig, yaml_value
+from ..config import MisConfig, yaml_value
 
 
 def _default_configs_dir() -> Path:
-    from .config import preset_files
+    from ..config import preset_files
 
     files = preset_files()
     return next(iter(files.values())).parent if files else Path("configs")
 
 
 def check_config(path: str, use_tis: bool | None) -> int:
-    from . import reference_host
-    from .config import HOST_FLAG_KEYS, load_yaml_mapping
+    from .. import reference_host
+    from ..config import HOST_FLAG_KEYS, load_yaml_mapping
 
     try:
         values = load_yaml_mapping(path)
         cfg = MisConfig.from_dict(values, source=path)
         # host flag keys: converted and checked as the host's --custom-config-path does it
-        flags = reference_host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS}, source=path)
+        flags = reference_host.convert_config_values({k: v for k, v in values.items() if k in HOST_FLAG_KEYS},
+                                                     source=path)
         if use_tis is not None and "use_tis" not in values:
             cfg = dataclasses.replace(cfg, use_tis=use_tis)
         # the flag combinations the host refuses (a file that sets use_rollout_logprobs with use_tis, ...), as the
@@ -77,14 +78,14 @@ def check_config(path: str, use_tis: bool | None) -> int:
 
 
 def _yaml_keys(path: str) -> set[str]:
-    from .config import load_yaml_mapping
+    from ..config import load_yaml_mapping
 
     return set(load_yaml_mapping(path))
 
 
 def plugin_demo(configs_dir: Path) -> int:
+    from ..plugin import compute_mis_weights_with_cp
     from .example_batch import make_example_batch
-    from .plugin import compute_mis_weights_with_cp
     from .reporting import format_table, reduce_metrics
 
     files = sorted(configs_dir.glob("*.yaml"))
@@ -132,14 +133,14 @@ def _main(argv: list[str] | None = None) -> int:
     # the lab commands own their flags (miles' host flags included): hand them over untouched
     if argv and argv[0] in ("train", "demo", "measure"):
         if argv[0] == "train":
-            from .lab.train import main as train_main
+            from ..lab.train import main as train_main
 
             return _run_lab(train_main, argv[1:])
         if argv[0] == "measure":
-            from .lab.measure import main as measure_main
+            from ..lab.measure import main as measure_main
 
             return _run_lab(measure_main, argv[1:])
-        from .lab.demo import main as demo_main
+        from ..lab.demo import main as demo_main
 
         return _run_lab(demo_main, argv[1:])
     parser = argparse.ArgumentParser(prog="miles-mis", description=__doc__,
@@ -153,7 +154,7 @@ def _main(argv: list[str] | None = None) -> int:
     check.add_argument("file")
     check.add_argument("--use-tis", action="store_true", default=None,
                        help="as if the host passed --use-tis (when the file does not set use_tis)")
-    from .analyze.command import add_arguments as add_analyze_arguments
+    from ..analyze.command import add_arguments as add_analyze_arguments
 
     add_analyze_arguments(sub.add_parser("analyze", help="read miles --dump-details dumps: where the mismatch lives, "
                                                          "which correction, a ready config",
@@ -164,7 +165,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         return check_config(args.file, args.use_tis)
     if args.command == "analyze":
-        from .analyze.command import run
+        from ..analyze.command import run
 
         return run(args)
     return plugin_demo(args.configs_dir)
@@ -177,6 +178,3 @@ def _run_lab(entry, argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

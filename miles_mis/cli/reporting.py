@@ -1,4 +1,5 @@
-"""Host-side reduction of the per-token ``mis_`` metrics and a plain-text table, for the CLI and tests.
+"""Host-side reduction of the per-token ``mis_`` metrics and a plain-text table, for ``miles-mis plugin-demo``, the
+tests and examples/call_like_a_host.py.
 
 ``reduce_metrics`` is the contract's reducer: for each sequence, the masked mean of the metric over
 its (original) loss-mask tokens, then the mean over sequences (empty sequences count as 0, as
@@ -15,8 +16,8 @@ from torch import Tensor
 
 def reduce_metrics(metrics: Mapping[str, Tensor], loss_masks: Sequence[Tensor], *,
                    per_token: bool = False) -> dict[str, float]:
-    """The reference host's reducer (``host.Reducer``) divided by the sequence (token) count: a mean."""
-    from .reference_host import Reducer
+    """The reference host's reducer (``reference_host.Reducer``) divided by the sequence (token) count: a mean."""
+    from ..reference_host import Reducer
 
     lengths = [int(m.numel()) for m in loss_masks]
     if not lengths:
