@@ -14,12 +14,15 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
 from .ops import constant, to_float32_log_probs
+
+if TYPE_CHECKING:  # the annotation only: tensors/ is the lowest floor and imports nothing above it at run time
+    from ..inputs.rollouts import RolloutGroups
 
 _INT32_MAX = 2**31 - 1
 
@@ -48,14 +51,15 @@ class PackedBatch:
     # [B] int64 weight versions each sequence is behind the trainer (miles_mis.correction.staleness); None = not given
     lags: Tensor | None = None
     lag_mean: float = 0.0  # their mean (read from the host's list, without a tensor op)
-    # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.inputs.advantages), read by the directional divergence
-    # options; None = not given or not needed
+    # [N] float32 −1/0/1 the signs of the host's advantages (miles_mis.inputs.advantages), read by the directional
+    # divergence options; None = not given or not needed
     advantage_signs: Tensor | None = None
-    # [N] float64 the engine's kept-set size of each token (miles_mis.inputs.sampling_mask; 0 = not recorded); None = not given
+    # [N] float64 the engine's kept-set size of each token (miles_mis.inputs.sampling_mask; 0 = not recorded);
+    # None = not given
     mask_sizes: Tensor | None = None
-    # the host's split rollouts (miles_mis.inputs.rollouts.RolloutGroups): the core's sequence-level stages act on each
-    # rollout whole (``grouped``); None = every sample is its own sequence
-    rollouts: object | None = None
+    # the host's split rollouts: the core's sequence-level stages act on each rollout whole (``grouped``); None =
+    # every sample is its own sequence
+    rollouts: RolloutGroups | None = None
 
     @property
     def num_seqs(self) -> int:
