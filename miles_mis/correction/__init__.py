@@ -1,13 +1,14 @@
 """The correction core: pure functions on packed (concatenated) per-sequence tensors.
 
-One call (``correct``) runs its stages in order, each vectorised over the whole batch (no Python loop over
-sequences, so the number of tensor operations does not grow with the batch size):
+One call (``correct``, in ``pipeline``: the one function that knows the stage order) runs its stages in order, each
+vectorised over the whole batch (no Python loop over sequences, so the number of tensor operations does not grow
+with the batch size):
 
 1. ``token_terms``   per-token quantities of this rank's tokens (log ratio, token-level decisions);
-2. ``batch_values``  a fixed-size vector of batch sums (combined over the CP group in its agreement), and the
-                     adaptive token-level bound chosen from it;
-3. ``seq_table``     per-sequence sums and extremes, one [B, K] table with a named schema (combined over the CP
-                     group);
+2. ``batch_values``  a fixed-size vector of batch sums (``local_batch_values``, combined over the CP group in its
+                     agreement), then the adaptive token-level bound chosen from it (``bound_token_terms``);
+3. ``seq_table``     per-sequence sums and extremes, one [B, K] table with a named schema (``local_table``,
+                     combined over the CP group);
 4. ``finalize``      sequence-level decisions, weights, normalisation and metrics.
 
 Every formula is written once here and once in docs/math.md. The packed tensors are ``miles_mis.tensors.packed_batch``.

@@ -1,5 +1,6 @@
-"""The batch-sum vector: a fixed-size float64 vector of this rank's batch sums, combined over the CP group in the
-agreement header (its size does not depend on B), and the adaptive token-level bound chosen from it.
+"""Stage 2, the batch-sum vector: a fixed-size float64 vector of this rank's batch sums (``local_batch_values``),
+combined over the CP group in the agreement header (its size does not depend on B), and the adaptive token-level
+bound chosen from it (``bound_token_terms``).
 
 Layout: ``mismatch_location.NAMES``, ``truncated_sampling.NAMES``, then, with an adaptive token-level bound, the
 histogram of the passing tokens' ratios (``miles_mis.correction.adaptive``).

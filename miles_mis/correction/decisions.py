@@ -1,5 +1,7 @@
-"""finalize's sequence-level decisions, in the order of docs/math.md: each stage returns an ``Outcome`` (the
-sequences it rejects and its metrics), and the sequence-level importance weights are a value (``SeqWeights``)."""
+"""finalize's sequence-level decisions, in the order finalize gathers their outcomes (the batch gate, the bound at
+``tis_level``, RS, the veto, the staleness gate, the divergence options), then which tokens and sequences stay and
+the adaptive sequence-level bound: each stage returns an ``Outcome`` (the sequences it rejects and its metrics), and
+the sequence-level importance weights are a value (``SeqWeights``)."""
 
 from __future__ import annotations
 

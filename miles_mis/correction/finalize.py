@@ -1,10 +1,13 @@
-"""Stage 3, finalize: sequence-level decisions, weights, normalisation and metrics, from the per-sequence table
+"""Stage 4, finalize: sequence-level decisions, weights, normalisation and metrics, from the per-sequence table
 combined over the CP group plus this rank's own tokens.
 
-``finalize`` is straight-line: each stage is a function of the values the earlier ones returned, in the order of
-docs/math.md: what it measures (``measures``), the sequence decisions (``decisions``: each returns an ``Outcome``,
-its rejections and its metrics; ``finalize`` ORs the rejections and gathers the metrics), the weights
-(``weighing``). Everything per sequence is broadcast to the tokens once, at the end.
+``finalize`` is straight-line: each stage is a function of the values the earlier ones returned. In order: what the
+table and the batch-sum vector measure (``measures``), the sequence decisions (``decisions``: the batch gate, the
+bound at ``tis_level``, the divergence options, RS, the veto, the staleness gate; each returns an ``Outcome``, its
+rejections and its metrics; ``finalize`` ORs the rejections and gathers the metrics), which tokens and sequences
+stay and the adaptive sequence-level bound, the weights (``weighing``) and the metrics by lag. Everything per
+sequence is broadcast to the tokens once, at the end. docs/math.md has a section per formula, in an order of its
+own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage 2, the per-sequence table: one [B, K] float64 row of sums and extremes per sequence, with a schema.
+"""Stage 3, the per-sequence table: one [B, K] float64 row of sums and extremes per sequence, with a schema.
 
 A ``TableSchema`` names every column and how two parts of one sequence combine (sum, max or min): the parts held
 by two CP ranks (``combine``), or the samples of one split rollout (``group``). It is built once per call from the
