@@ -38,7 +38,7 @@ from cp_harness import cp_state, shard, spawn  # noqa: E402
 
 from miles_mis import MisConfig, compute_mis_weights_with_cp
 from miles_mis.parallel import distributed  # noqa: E402
-from miles_mis.plugin import config_text  # noqa: E402
+from miles_mis.inputs import config_text  # noqa: E402
 from miles_mis.parallel.cp_layout import zigzag_layout  # noqa: E402
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)

@@ -18,7 +18,7 @@ from test_cp import check_case
 
 from miles_mis import MisConfig, compute_mis_weights_packed, compute_mis_weights_with_cp
 from miles_mis.tensors import backend, ops
-from miles_mis.plugin import config_text
+from miles_mis.inputs import config_text
 
 # weights and the loss: within this many ulps of eager (|Δ| ≤ ULPS·eps·|x|); a metric: ULPS ulps of its largest |value|
 # in the micro-batch (assert_within_ulps)

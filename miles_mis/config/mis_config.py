@@ -2,8 +2,8 @@
 
 It is built once at the boundary, from a YAML file (`MisConfig.from_yaml`), a mapping
 (`MisConfig.from_dict`) or what a host passes as ``args`` (`MisConfig.from_args`: its argparse Namespace,
-or a mapping read as `from_dict` reads it), and everything below the adapter layer reads only this frozen
-dataclass. Every constructor ends in the same ``MisConfig(**keys)``, so they give the same answers.
+or a mapping read as `from_dict` reads it), and everything below the entry points' reader (`inputs.host_call`) reads
+only this frozen dataclass. Every constructor ends in the same ``MisConfig(**keys)``, so they give the same answers.
 
 Key names and meanings follow miles' ``mis.yaml``. `KEY_SPECS` is the table of the keys: it declares
 MisConfig's fields and drives their checks, the did-you-mean suggestions and the key table of docs/config.md

@@ -4,9 +4,9 @@ Both hosts load a whole policy loss by path (``--loss-type custom_loss --custom-
 per micro-batch as ``func(args, batch, logits, sum_of_sample_mean) -> (loss, log)``. ``policy_loss`` is that
 function for a given ``Host``: it imports the host's own ``policy_loss_function`` (so PPO, dual clip, OPSM, GSPO, KL and
 entropy terms and whatever the host adds later stay the host's) and calls it with ``--custom-tis-function-path`` set to
-miles_mis's entry point, while ``miles_mis.inputs.adapter_inputs`` hands that entry point what the hook's arguments lack but the
-batch holds: the advantages, the current policy's log-probs, rollout ids, lags, sampling masks; each read only when the
-config needs it or the batch carries it. With nothing extra to read, the result is the host's own
+miles_mis's entry point, and sends that entry point, through ``miles_mis.inputs.batch_channel.BATCH_INPUTS``, what
+the hook's arguments lack but the batch holds: the advantages, the current policy's log-probs, rollout ids, lags,
+sampling masks; each read only when the config needs it or the batch carries it. With nothing extra to read, the result is the host's own
 ``policy_loss`` + ``--custom-tis-function-path`` result, bit for bit (docs/hosts.md).
 """
 
@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..inputs import advantages, adapter_inputs, rollouts, sampling_mask
+from ..inputs import advantages, rollouts, sampling_mask
+from ..inputs.batch_channel import BATCH_INPUTS, Deferred
 from ..correction import staleness
 from ..config import MisConfig, host_setting
 
@@ -70,12 +71,12 @@ def policy_loss(host: Host, args: Any, batch: Mapping[str, Any], logits: torch.T
     with contextlib.ExitStack() as scope:
         if config.tis_policy == "current":
             inputs["cur_log_probs"] = scope.enter_context(_host_log_probs(host, module))
-        scope.enter_context(adapter_inputs.provided(inputs))
+        scope.enter_context(BATCH_INPUTS.sending(inputs))
         return module.policy_loss_function(_with_entry_point(host, args), batch, logits, sum_of_sample_mean)
 
 
 @contextlib.contextmanager
-def _host_log_probs(host: Host, module: Any) -> Iterator[adapter_inputs.Deferred]:
+def _host_log_probs(host: Host, module: Any) -> Iterator[Deferred]:
     """The current policy's log-probs as the host's own loss computes them, detached, for ``tis_policy: current``:
     within the block the loss module's ``get_log_probs_and_entropy`` is wrapped to keep a detached copy of what it
     returns (miles returns a dict, slime a pair), so no second log-softmax over the logits is computed. Restored on
@@ -102,7 +103,7 @@ def _host_log_probs(host: Host, module: Any) -> Iterator[adapter_inputs.Deferred
 
     module.get_log_probs_and_entropy = keeping
     try:
-        yield adapter_inputs.Deferred(read)
+        yield Deferred(read)
     finally:
         module.get_log_probs_and_entropy = original
 

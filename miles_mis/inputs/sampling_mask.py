@@ -5,7 +5,7 @@ A host that replays it (slime's merged path, miles' sampling-mask PRs, prime-rl)
 CSR form, ``ids[offsets[t]:offsets[t + 1]]`` for response token t, so the offsets of a response hold
 ``response_length + 1`` entries. The plugin reads only the sizes |S_t| = offsets[t + 1] − offsets[t]: the
 correction itself needs nothing from the mask (the replay happens in the host's log-probs), but the sizes say how
-truncated the sampling was (``mis_sampling_mask_*``, miles_mis.correction.mismatch_location).
+truncated the sampling was (``mis_sampling_mask_*``, miles_mis.correction.truncated_sampling).
 
 Accepted, as optional keyword arguments of the list entry points (per sequence, the FULL response's offsets, as
 the hosts store them; under CP each rank takes its own positions, so every rank reports what cp = 1 does):
