@@ -99,9 +99,9 @@ def _loss_function(host):
 
         return lambda args, batch, logits: loss_function(args, batch, 2, logits, apply_megatron_loss_scaling=True,
                                                          num_rollouts=8)
-    from slime.backends.megatron_utils.loss import loss_function
+    from slime.backends.megatron_utils.loss import loss_function as slime_loss_function
 
-    return lambda args, batch, logits: loss_function(args, batch, 2, 8, logits)
+    return lambda args, batch, logits: slime_loss_function(args, batch, 2, 8, logits)
 
 
 def _args(host, fmt, path, flags, yaml):

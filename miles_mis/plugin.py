@@ -20,9 +20,11 @@ from . import correction
 from .parallel import distributed, peers
 from .inputs import host_call
 from .inputs.host_call import HostCall, LogProbLists
-# also importable from here: the contract's error type
-from .inputs.packing import InputError  # noqa: F401
-from .inputs.packing import PackedInputs, long_tensor
+from .inputs.packing import InputError, PackedInputs, long_tensor
+
+# the entry points, and the contract's error type (docs/contract.md)
+__all__ = ["InputError", "compute_mis_weights", "compute_mis_weights_fsdp", "compute_mis_weights_packed",
+           "compute_mis_weights_with_cp"]
 
 
 def compute_mis_weights_with_cp(
