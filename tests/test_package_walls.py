@@ -71,14 +71,14 @@ def test_subpackages_export_public_names_only(name):
 
 
 # what the reference host may import besides the top-level API: the config (the YAML and keys the contract names) and
-# the parallel plumbing it emulates Megatron's CP with; never the correction, the inputs' readers or the plugin
-HOST_MAY_IMPORT = ("config", "parallel", "parallel.distributed", "parallel.cp_layout")
+# the collectives it emulates Megatron's CP group with (parallel.distributed), each module with the names it may take
+# (None: any); never the CP layout (it reads Megatron's zigzag layout itself, reference_host/cp_shards.py), the
+# correction, the inputs' readers or the plugin
+HOST_MAY_IMPORT = {"config": None, "parallel.distributed": None, "parallel": {"distributed"}}
 
 
-def test_the_reference_host_depends_only_on_the_public_api():
-    """The reference host is an independent oracle of the contract: it imports from miles_mis only what the top-level
-    package exports (the entry points and MisConfig), the config and the parallel plumbing, besides its own
-    modules."""
+def host_import_crossings() -> list[str]:
+    """Every import in the reference host of a miles_mis name outside the public API and HOST_MAY_IMPORT."""
     import miles_mis
 
     public = set(miles_mis.__all__)
@@ -87,15 +87,44 @@ def test_the_reference_host_depends_only_on_the_public_api():
         if "reference_host" not in path.parts:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("miles_mis")):
+            if isinstance(node, ast.Import):
+                found += [f"{path.name}:{node.lineno} import {alias.name}" for alias in node.names
+                          if alias.name.split(".")[0] == "miles_mis"]
+            elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("miles_mis")):
+                names = {alias.name for alias in node.names}
                 own = node.level == 1  # a sibling module of the reference host
                 top = (node.level == 2 and not node.module) or node.module == "miles_mis"
-                if own or (node.level == 2 and node.module in HOST_MAY_IMPORT):
+                allowed = node.level == 2 and node.module in HOST_MAY_IMPORT and (
+                    HOST_MAY_IMPORT[node.module] is None or names <= HOST_MAY_IMPORT[node.module])
+                if own or allowed:
                     continue
-                if not top or not {alias.name for alias in node.names} <= public:
+                if not top or not names <= public:
                     found.append(f"{path.name}:{node.lineno} from {'.' * node.level}{node.module or ''} import "
                                  + ", ".join(alias.name for alias in node.names))
-    assert found == []
+    return found
+
+
+def test_the_reference_host_depends_only_on_the_public_api():
+    """The reference host is an independent oracle of the contract: it imports from miles_mis only what the top-level
+    package exports (the entry points and MisConfig), the config and the collectives, besides its own modules; not
+    the plugin's CP layout, which it would then share with the code it tests."""
+    assert host_import_crossings() == []
+
+
+def test_the_host_check_sees_the_plugins_layout(tmp_path, monkeypatch):
+    """The check above can fail: a reference host that imports the plugin's CP layout, in any spelling, is reported;
+    the collectives are not."""
+    fake = tmp_path / "miles_mis" / "reference_host"
+    fake.mkdir(parents=True)
+    (fake / "a.py").write_text("from ..parallel import distributed\nfrom ..parallel.cp_layout import zigzag_layout\n"
+                               "from ..parallel import cp_layout\nfrom ..parallel import distributed, cp_layout\n"
+                               "import miles_mis.parallel.cp_layout\nfrom miles_mis.parallel import cp_layout\n"
+                               "from ..parallel import zigzag_layout\nfrom .cp_shards import rank_shards\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake.parent)
+    assert host_import_crossings() == [
+        "a.py:2 from ..parallel.cp_layout import zigzag_layout", "a.py:3 from ..parallel import cp_layout",
+        "a.py:4 from ..parallel import distributed, cp_layout", "a.py:5 import miles_mis.parallel.cp_layout",
+        "a.py:6 from miles_mis.parallel import cp_layout", "a.py:7 from ..parallel import zigzag_layout"]
 
 
 def test_the_reference_host_forwards_the_contracts_keyword_names():

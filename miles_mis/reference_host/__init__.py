@@ -1,7 +1,8 @@
 """The reference host: a small layer that behaves like miles' policy loss, with miles' flags, for running and
 testing a correction plugin as miles would call it; :mod:`.flags` parses and validates the flags (with the
 ``--custom-config-path`` file and ``--mis-set`` keys merged) and loads the correction function, :mod:`.loss`
-computes the policy loss of one micro-batch, and this package re-exports the names of both.
+computes the policy loss of one micro-batch, and this package re-exports the names of both. :mod:`.cp_shards` is the
+host's own reading of Megatron's zigzag context-parallel layout (which response tokens a CP rank holds).
 """
 
 from .flags import (COMMAND_LINE_ONLY, FLAG_RANGES, LOSS_DENOMINATORS, MIS_SET_EXAMPLES, HelpFormatter,

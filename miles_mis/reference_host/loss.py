@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..parallel import distributed
-from ..parallel.cp_layout import zigzag_layout
+from .cp_shards import rank_shards
 from .flags import is_packed_entry, load_function, packed_cp_message
 
 LOG_RATIO_CLAMP = 20.0
@@ -369,15 +369,13 @@ def _prepare_batch(args: argparse.Namespace, batch: Mapping[str, Any], log_probs
     # this rank's positions in the full masks (None at cp 1) and each local token's sequence
     positions = None
     if cp.size > 1:
-        layout = zigzag_layout(torch.tensor(total_lengths), torch.tensor(response_lengths), cp.rank, cp.size,
-                               args.qkv_format, None if max_seq_lens is None else torch.tensor(max_seq_lens))
-        expected = layout.local_lengths.tolist()
+        expected, held = rank_shards(total_lengths, response_lengths, cp.rank, cp.size, args.qkv_format,
+                                     None if max_seq_lens is None else [int(n) for n in max_seq_lens])
         if expected != local_lengths:
             i = next(i for i, (n, e) in enumerate(zip(local_lengths, expected)) if n != e)
             raise ValueError(f"sequence {i}: log_probs has {local_lengths[i]} tokens on cp rank {cp.rank} of "
                              f"{cp.size}, but the zigzag layout ({args.qkv_format}) gives this rank {expected[i]}")
-        offsets = torch.cumsum(torch.tensor([0] + response_lengths[:-1]), 0)
-        positions = layout.positions(offsets)
+        positions = torch.tensor(held, dtype=torch.long)
     elif local_lengths != response_lengths:
         raise ValueError(f"log_probs lengths {local_lengths} differ from response_lengths {response_lengths}")
     for key in ("advantages", "log_probs", "rollout_log_probs"):
