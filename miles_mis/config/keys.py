@@ -18,7 +18,8 @@ TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
 TIS_POLICIES = ("old", "current")  # the policy the weights compare with π_rollout: π_old or π_θ
 AUTO = "auto"  # tis_upper_bound: auto (miles_mis.correction.adaptive)
-GATE_STATISTICS = ("k3", "kl", "max_abs_log_ratio")  # what rs_batch_gate may test (miles_mis.correction.gate computes them)
+# what rs_batch_gate may test (miles_mis.correction.gate computes them)
+GATE_STATISTICS = ("k3", "kl", "max_abs_log_ratio")
 # Divergence rejection options: "<aggregation>_<estimator>". k1 takes a [lower, upper] range on the ratio,
 # k2 and k3 an upper bound on the statistic.
 DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -307,8 +308,8 @@ def _as_max_lag(spec: KeySpec, value: Any) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         number = int(value.strip())
     if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-        raise ValueError(f"{spec.name}={shown_value(value)} is invalid: allowed values are null (off) or an integer >= 0, "
-                         "the largest lag (weight versions behind the trainer) a sequence may have")
+        raise ValueError(f"{spec.name}={shown_value(value)} is invalid: allowed values are null (off) or an integer "
+                         ">= 0, the largest lag (weight versions behind the trainer) a sequence may have")
     return int(number)
 
 
@@ -346,7 +347,8 @@ KEY_SPECS = (
             shown_default="1 / `tis_upper_bound`"),
     KeySpec("tis_upper_bound", "bound", 2.0, "U; `auto` (tis_mode truncate): chosen per call, the largest bound in "
             "`tis_auto_bounds` whose truncated weights keep the ESS ≥ `tis_auto_target_ess` "
-            "([math](math.md#the-adaptive-bound-miles_miscorrectionadaptivepy)); with `use_rs`, set the rs bounds explicitly",
+            "([math](math.md#the-adaptive-bound-miles_miscorrectionadaptivepy)); with `use_rs`, set the rs bounds "
+            "explicitly",
             choices=(AUTO,)),
     KeySpec("rs_lower_bound", "bound", None, "the RS test's lower bound", shown_default="`tis_lower_bound`"),
     KeySpec("rs_upper_bound", "bound", None, "the RS test's upper bound", shown_default="`tis_upper_bound`"),
@@ -360,12 +362,13 @@ KEY_SPECS = (
     KeySpec("tis_bounds", "range", None, "sets `tis_lower_bound` and `tis_upper_bound` at once (verl's IcePop "
             "spelling); not together with either of them"),
     KeySpec("rs_divergence", "mapping", None, "rejection by divergence statistics "
-            "([math](math.md#rejection-by-divergence-statistics-miles_miscorrectiondivergencepy)): k1 options take a ratio "
-            "range \"L_U\" or [L, U], k2/k3/atv/bkl options an upper bound, tv options a range [−α, β] of "
+            "([math](math.md#rejection-by-divergence-statistics-miles_miscorrectiondivergencepy)): k1 options take a "
+            "ratio range \"L_U\" or [L, U], k2/k3/atv/bkl options an upper bound, tv options a range [−α, β] of "
             "p_train − p_rollout; all ANDed. The directional ones (dtv, dbkl, datv) need the host's `advantages` "
             "([math](math.md#directional-trust-regions-dppo-vaco))", choices=DIVERGENCE_OPTIONS,
             parser=_as_divergence),
-    KeySpec("rs_batch_gate", "mapping", None, "the batch gate ([math](math.md#the-batch-gate-miles_miscorrectiongatepy)): "
+    KeySpec("rs_batch_gate", "mapping", None,
+            "the batch gate ([math](math.md#the-batch-gate-miles_miscorrectiongatepy)): "
             "statistics of the whole micro-batch (every CP rank's tokens); when any exceeds its threshold, every "
             "weight and mask of the micro-batch is 0, `mis_batch_gated` is 1 and a warning is logged (logger "
             "`miles_mis`). E.g. `{k3: 0.05}`", choices=GATE_STATISTICS, parser=_as_gate),
@@ -414,7 +417,8 @@ KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
 PARSE_ORDER = ("use_tis", "use_rs", "tis_batch_normalize", "tis_level", "rs_level", "tis_mode",
                "tis_batch_normalize_scope", "tis_bounds", "rs_divergence", "rs_batch_gate", "rs_batch_gate_scope",
                "metrics_low_prob_threshold", "rs_veto_threshold", "tis_auto_target_ess", "tis_auto_bounds",
-               "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3", "kernel_backend")
+               "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3",
+               "kernel_backend")
 # The bounds tis_bounds sets: giving one of them with tis_bounds is an error, even at its default's value.
 ALIASED_BOUNDS = ("tis_lower_bound", "tis_upper_bound")
 ADAPTIVE_KEYS = tuple(name for name in KEY_NAMES if name.startswith("tis_auto_"))

@@ -173,7 +173,8 @@ class MisConfig:
                                 for option, lower, upper in self.rs_divergence} or None
         out["rs_batch_gate"] = dict(self.rs_batch_gate) or None
         out["tis_auto_bounds"] = list(self.tis_auto_bounds)
-        out["tis_upper_bound_by_lag"] = None if self.tis_upper_bound_by_lag is None else list(self.tis_upper_bound_by_lag)
+        out["tis_upper_bound_by_lag"] = (None if self.tis_upper_bound_by_lag is None
+                                         else list(self.tis_upper_bound_by_lag))
         return out
 
 

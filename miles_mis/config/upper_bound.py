@@ -73,8 +73,8 @@ class PerLagBound:
 
 @dataclass(frozen=True)
 class AdaptiveBound:
-    """Chosen per call from the ratios (``miles_mis.correction.adaptive``): the largest of the candidates (geometric over
-    ``search_range``) whose truncated weights keep the ESS ≥ ``target_ess``, over ``scope``."""
+    """Chosen per call from the ratios (``miles_mis.correction.adaptive``): the largest of the candidates (geometric
+    over ``search_range``) whose truncated weights keep the ESS ≥ ``target_ess``, over ``scope``."""
 
     search_range: tuple[float, float]
     target_ess: float

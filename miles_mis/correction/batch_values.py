@@ -19,7 +19,8 @@ from ..config import MisConfig
 from ..tensors.packed_batch import PackedBatch
 from .token_terms import TokenTerms
 
-HISTOGRAM_START = len(mismatch_location.NAMES) + len(truncated_sampling.NAMES)  # where the adaptive bound's histogram starts
+# where the adaptive bound's histogram starts
+HISTOGRAM_START = len(mismatch_location.NAMES) + len(truncated_sampling.NAMES)
 
 
 def adaptive_token_level(config: MisConfig) -> bool:
@@ -44,8 +45,9 @@ def local_batch_values(batch: PackedBatch, terms: TokenTerms, config: MisConfig)
 
 def batch_value_kernel(k3: Tensor, usable: Tensor, log_ratio: Tensor, rollout_log_probs: Tensor,
                        low_prob_threshold: float, mask_sizes: Tensor | None) -> tuple[Tensor, ...]:
-    """The per-token passes of ``local_batch_values``: ``mismatch_location.token_values`` and ``truncated_sampling.local_values``,
-    one fused kernel on the compiled backend (the position-bucket sums, sparse mat-vecs, stay outside it)."""
+    """The per-token passes of ``local_batch_values``: ``mismatch_location.token_values`` and
+    ``truncated_sampling.local_values``, one fused kernel on the compiled backend (the position-bucket sums, sparse
+    mat-vecs, stay outside it)."""
     return (*mismatch_location.token_values(k3, usable, log_ratio, rollout_log_probs, low_prob_threshold),
             truncated_sampling.local_values(log_ratio, usable, mask_sizes))
 

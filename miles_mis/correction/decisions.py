@@ -148,8 +148,8 @@ def keep_sequences(reject: Tensor | None, col: dict[str, Tensor]) -> tuple[Tenso
 
 def apply_adaptive_bound(config: MisConfig, seq: SeqWeights | None, token_bound: adaptive.Choice | None,
                          n_pass: Tensor, histogram_reduce: Reduce, device) -> tuple[Outcome, SeqWeights | None]:
-    """The adaptive bound (``tis_upper_bound: auto``, ``miles_mis.correction.adaptive``). At sequence/geometric level it is
-    chosen here, over the kept sequences, each counted n_pass_i times:
+    """The adaptive bound (``tis_upper_bound: auto``, ``miles_mis.correction.adaptive``). At sequence/geometric level it
+    is chosen here, over the kept sequences, each counted n_pass_i times:
 
     U = max{c_j : ESS(c_j) ≥ η},   w_i = min(r_i, U)
 

@@ -76,8 +76,8 @@ def token_estimators(log_ratio: Tensor, train_log_probs: Tensor | None = None,
                      rollout_log_probs: Tensor | None = None, needed: tuple[str, ...] = ("k1", "k2", "k3")
                      ) -> dict[str, Tensor]:
     """The ``needed`` estimators per token: k1 from ℓ, k2 and k3 from the clamped ℓ (0 where not usable, where every
-    k is 0); k3 = expm1(c) − c in float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree); tv, atv,
-    bkl from the usable log-probs (0 where not usable, where the core zeroes them: p = q = 1)."""
+    k is 0); k3 = expm1(c) − c in float64 (ops.k3: e^c − c − 1 cancels in float32 when the engines nearly agree); tv,
+    atv, bkl from the usable log-probs (0 where not usable, where the core zeroes them: p = q = 1)."""
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     out = {}
     if "k1" in needed:

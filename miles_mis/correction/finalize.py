@@ -76,8 +76,8 @@ def finalize(batch: PackedBatch, terms: TokenTerms, table: Tensor, schema: Table
     gated, message = gate_batch(gate_statistics, config, table.device)
     tis, seq = bound_at_tis_level(batch, terms, col, config)
     verdict = reject_by_divergence(batch, terms, col, config)
-    outcomes = [gated, tis, reject_outside_rs_bounds(terms, col, config), veto_catastrophic_sequences(terms, col, config),
-                reject_stale_sequences(batch, col, config)]
+    outcomes = [gated, tis, reject_outside_rs_bounds(terms, col, config),
+                veto_catastrophic_sequences(terms, col, config), reject_stale_sequences(batch, col, config)]
     if verdict is not None:
         outcomes.append(Outcome(verdict.seq_reject, verdict.token_metrics, verdict.seq_metrics, verdict.batch_metrics))
     kept_columns = keep_staying_tokens(col, verdict)

@@ -63,15 +63,16 @@ def level_log_ratio(col: dict[str, Tensor], level: str) -> Tensor:
 
 def measure_batch(batch: PackedBatch, col: dict[str, Tensor], batch_values: Tensor,
                   gate_reduce: Reduce) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Where the mismatch lives (``mismatch_location.metrics``, ``truncated_sampling.metrics``) and the batch gate's statistics, every
-    call (batch metrics, gate statistics):
+    """Where the mismatch lives (``mismatch_location.metrics``, ``truncated_sampling.metrics``) and the batch gate's
+    statistics, every call (batch metrics, gate statistics):
 
     k3 = Σ_t k3_t / n,   kl = Σ_t (−ℓ_t) / n,   max_abs_log_ratio = max_t |ℓ_t|
 
     over the usable tokens of the micro-batch (n of them; with ``rs_batch_gate_scope: dp``, of the DP group too).
     """
     metrics = mismatch_location.metrics(batch_values)
-    metrics.update(truncated_sampling.metrics(batch_values[len(mismatch_location.NAMES):HISTOGRAM_START], batch.mask_sizes is not None))
+    metrics.update(truncated_sampling.metrics(batch_values[len(mismatch_location.NAMES):HISTOGRAM_START],
+                                              batch.mask_sizes is not None))
     gate_parts = gate_reduce(gate.parts(col["sum_k3"].sum(), col["sum_log_ratio"].sum(), col["n_usable"].sum(),
                                         batch_values[mismatch_location.INDEX["max_abs_log_ratio"]]))
     statistics = gate.statistics(gate_parts)

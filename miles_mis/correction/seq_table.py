@@ -157,8 +157,8 @@ def local_table(batch: PackedBatch, terms: TokenTerms, config: MisConfig, schema
 
 # --------------------------------------------------------------------------- split rollouts
 def group_rollouts(batch: PackedBatch, table: Tensor, schema: TableSchema) -> tuple[PackedBatch, Tensor]:
-    """With the host's split rollouts (``batch.rollouts``, miles_mis.inputs.rollouts): the batch and the combined table with
-    each rollout's samples as one sequence; unchanged without them, or when every sample is its own rollout."""
+    """With the host's split rollouts (``batch.rollouts``, miles_mis.inputs.rollouts): the batch and the combined table
+    with each rollout's samples as one sequence; unchanged without them, or when every sample is its own rollout."""
     groups = batch.rollouts
     if groups is None or groups.trivial:
         return batch, table

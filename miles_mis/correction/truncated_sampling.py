@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-NEGATIVE_FRACTION = 0.7  # untruncated SmolLM2 engines: 0.47-0.55 negative (fp32: 0.94, but a 1e-5 shift); top-k 50: 0.77
+# untruncated SmolLM2 engines: 0.47-0.55 negative (fp32: 0.94, but a 1e-5 shift); top-k 50: 0.77
+NEGATIVE_FRACTION = 0.7
 STANDARDIZED_MEAN = 0.3  # untruncated engines: |mean/std| < 0.1
 MEAN_SHIFT = 1e-3  # a mean log ratio above −0.001 (a kept mass above 0.999) is too small to matter
 MIN_TOKENS = 64  # below this many nonzero ℓ the fractions are too noisy to raise an alarm
