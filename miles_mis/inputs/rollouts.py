@@ -22,34 +22,17 @@ without ids, each sample is checked alone: a fragment of a larger rollout is cou
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from ..tensors.rollout_groups import RolloutGroups
 from .packing import InputError
 
 KWARG = "rollout_ids"
 MASK_SUMS_KWARG = "rollout_mask_sums"
 _SEE = "docs/hosts.md#split-rollouts"
-
-
-@dataclass(frozen=True)
-class RolloutGroups:
-    """Which rollout each sample of the call belongs to."""
-
-    of_sample: Tensor  # [B] int64, the group of each sample, groups numbered in order of first appearance
-    count: int  # G, the number of rollouts in the call
-    size: Tensor  # [G] int64, samples of each rollout in the call
-    incomplete: Tensor | None  # [G] bool, fewer trained tokens here than rollout_mask_sums says; None = not known
-    ids_given: bool = True  # False: only rollout_mask_sums were given (each sample its own group)
-
-    @property
-    def trivial(self) -> bool:
-        """Every sample is its own rollout: grouping changes nothing (the core skips it, so the result is the
-        ungrouped one bit for bit)."""
-        return self.count == self.of_sample.numel()
 
 
 def given(kwargs: Mapping[str, Any]) -> bool:

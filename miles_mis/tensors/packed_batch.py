@@ -14,15 +14,13 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from .ops import constant, to_float32_log_probs
-
-if TYPE_CHECKING:  # the annotation only: tensors/ is the lowest floor and imports nothing above it at run time
-    from ..inputs.rollouts import RolloutGroups
+from .rollout_groups import RolloutGroups
 
 _INT32_MAX = 2**31 - 1
 
