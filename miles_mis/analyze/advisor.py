@@ -36,8 +36,8 @@ they are quantiles of token ratios,
 truncation at q0.99 and q0.999 when exp(q) > 1: truncating at U ≤ 1 would bound the typical token); veto
 variants (1e-4, 1e-6) of the main families; token truncation at U = 2 with a token mask in probability space
 (binary TV p − q in [−0.2, 0.2], |p − q| ≤ 0.05, binary KL ≤ 0.01, and prime-rl's directional [−0.2, 0.2], which
-reads the dump's advantages: a sequence without them counts as A = 0, never masked); every shipped preset (``preset:<name>``, ``use_tis`` on unless the
-preset sets it, so ``preset:metrics_only`` is the uncorrected baseline).
+reads the dump's advantages: a sequence without them counts as A = 0, never masked); every shipped preset
+(``preset:<name>``, ``use_tis`` on unless the preset sets it, so ``preset:metrics_only`` is the uncorrected baseline).
 
 The recommendation (``recommend``) follows stated rules, heuristics and not a guarantee:
 
@@ -263,8 +263,8 @@ def _prepare(batch: CallBatch, indices: list[int]) -> _Prepared:
 def _call_sums(prepared: _Prepared, config: MisConfig) -> tuple[dict[str, float], float | None]:
     """The sums of one call under one config, and the largest final weight over its kept tokens (None: none).
 
-    As ``compute_mis_weights``: the core's pipeline (``correction.correct``) on the packed call, every stage the plugin runs
-    (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
+    As ``compute_mis_weights``: the core's pipeline (``correction.correct``) on the packed call, every stage the plugin
+    runs (an adaptive bound included). Elementwise in float32, sums accumulated in float64.
     """
     batch = prepared.directional if reads_advantages(config) else prepared.packed.batch
     if staleness.lag_keys_in_use(config):  # a lag-keyed config: the dump's lags, as a host passes them

@@ -93,8 +93,9 @@ class DumpInputs:
         lag_keys = lag_keys_in_use(config)
         if lag_keys and self.with_lags < self.sequences:
             raise ValueError(f"--config {name[len(YOURS):]}: {' and '.join(lag_keys)} need each sequence's version "
-                             f"lag, but {self.sequences - self.with_lags} of the dump's {self.sequences} sequences have "
-                             "none (the lab's dumps record version_lag; miles' do not): drop the lag keys to evaluate it")
+                             f"lag, but {self.sequences - self.with_lags} of the dump's {self.sequences} sequences "
+                             "have none (the lab's dumps record version_lag; miles' do not): drop the lag keys to "
+                             "evaluate it")
         if config.use_tis and reads_advantages(config) and self.with_advantages < self.sequences:
             options = ", ".join(option for option, _, _ in config.rs_divergence if option.split("_")[-1] in DIRECTIONAL)
             raise ValueError(f"--config {name[len(YOURS):]}: {options} read the advantages, but "

@@ -107,7 +107,8 @@ def sentence(k3: float, rows: Sequence[Mapping[str, Any]]) -> str | None:
     held = held_corrections(rows)
     if held:
         parts.append("Corrections that held in published runs: " + "; ".join(
-            f"{name} ({str(row.get('model', '')).split(' (')[0]}, {_short_source(row)})" for name, row in held[:3]) + ".")
+            f"{name} ({str(row.get('model', '')).split(' (')[0]}, {_short_source(row)})"
+            for name, row in held[:3]) + ".")
     return " ".join(parts) or None
 
 

@@ -352,7 +352,8 @@ def _token_tensor(where: str, sample: dict, name: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise ValueError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
     if value.is_nested or value.layout != torch.strided or value.is_quantized or value.is_meta:
-        raise ValueError(f"{where}: {name} {tensor_problem(value, None, 'masks' if name == 'local_loss_mask' else 'log-probs')}")
+        raise ValueError(f"{where}: {name} "
+                         f"{tensor_problem(value, None, 'masks' if name == 'local_loss_mask' else 'log-probs')}")
     if value.dim() != 1:
         raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected one dimension (tokens)")
     if value.is_complex() or (value.dtype == torch.bool and name != "local_loss_mask"):

@@ -101,9 +101,10 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
                 "Use a correction: it cost nothing measurable there, and longer responses, an MoE model or "
                 "asynchronous training make a collapse likelier.")
     if matters is not None and k3 >= matters["k3"]:
-        text = (f"Above the lab's no-effect level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} ({matters['regime']}), where "
-                f"{matters['correction']} beat standard PPO by {matters['mean']:+.3f} reward "
-                f"[{matters['low']:+.3f}, {matters['high']:+.3f}] over {matters['seeds']} seeds, {where}.")
+        text = (f"Above the lab's no-effect level: k3 = {k3:.2e} is at or above {matters['k3']:.2e} "
+                f"({matters['regime']}), where {matters['correction']} beat standard PPO by "
+                f"{matters['mean']:+.3f} reward [{matters['low']:+.3f}, {matters['high']:+.3f}] over "
+                f"{matters['seeds']} seeds, {where}.")
         return f"{text} {_nearest_sentence(k3, curve, matters)}"
     if matters is None:  # then k3 is above the no-effect level, or nothing was paired at all
         if safe is None:
@@ -112,9 +113,9 @@ def _standard_sentence(k3: float, curve: Mapping[str, Any]) -> str | None:
                 f"{safe['regime']}), none of which showed a resolved gain from a correction. Correct, and watch the "
                 "reward.")
     low = "0" if safe is None else f"{safe['k3']:.2e} ({safe['regime']})"
-    return (f"Between the measured levels: k3 = {k3:.2e} lies between the lab's no-effect level {low} and the first level where a "
-            f"correction mattered, {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}), {where}. No "
-            "measurement decides it: correct if unsure.")
+    return (f"Between the measured levels: k3 = {k3:.2e} lies between the lab's no-effect level {low} and the first "
+            f"level where a correction mattered, {matters['k3']:.2e} ({matters['regime']}: {matters['correction']}), "
+            f"{where}. No measurement decides it: correct if unsure.")
 
 
 def _nearest_sentence(k3: float, curve: Mapping[str, Any], matters: Mapping[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over a whole dump, and what it means in words.
+"""The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over a whole dump, and what it
+means in words.
 
 The same sums the plugin's live metrics use, over every usable token of the dump: the share of log ratios below 0
 and their mean over their spread. ``miles-mis analyze`` and ``miles-mis measure`` print ``advice``.
@@ -18,7 +19,8 @@ def local_values(ell: Tensor, usable: Tensor) -> Tensor:
 
 def summary(sums: Tensor) -> dict[str, float]:
     """The detector's values from the summed vector: negative_fraction, standardized_mean, fired (0/1)."""
-    metrics = {name: value.float() for name, value in truncated_sampling.metrics(sums, with_sizes=False).items()}  # as logged
+    # as logged
+    metrics = {name: value.float() for name, value in truncated_sampling.metrics(sums, with_sizes=False).items()}
     return {"negative_fraction": float(metrics["log_ratio_negative_fraction"]),
             "standardized_mean": float(metrics["log_ratio_standardized_mean"]),
             "mean": float(metrics["log_ratio_mean"]), "fired": float(metrics["unreplayed_truncation"])}
@@ -30,7 +32,8 @@ def advice(negative_fraction: float, standardized_mean: float, mean: float, fire
             f"mean/std {standardized_mean:+.2f}")
     if not fired:
         return [f"{seen}: no sign of unreplayed truncated sampling (the alarm needs >= "
-                f"{truncated_sampling.NEGATIVE_FRACTION:.0%} negative, mean/std <= -{truncated_sampling.STANDARDIZED_MEAN:g} and a "
+                f"{truncated_sampling.NEGATIVE_FRACTION:.0%} negative, "
+                f"mean/std <= -{truncated_sampling.STANDARDIZED_MEAN:g} and a "
                 f"mean <= -{truncated_sampling.MEAN_SHIFT:g})."]
     return [f"{seen}: the engine's log-probs look renormalised over a truncated set (top-p/top-k/min-p) while the "
             "trainer's are over the whole vocabulary, so every ratio carries the log of the kept mass.",

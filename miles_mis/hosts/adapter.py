@@ -6,8 +6,8 @@ function for a given ``Host``: it imports the host's own ``policy_loss_function`
 entropy terms and whatever the host adds later stay the host's) and calls it with ``--custom-tis-function-path`` set to
 miles_mis's entry point, and sends that entry point, through ``miles_mis.inputs.batch_channel.BATCH_INPUTS``, what
 the hook's arguments lack but the batch holds: the advantages, the current policy's log-probs, rollout ids, lags,
-sampling masks; each read only when the config needs it or the batch carries it. With nothing extra to read, the result is the host's own
-``policy_loss`` + ``--custom-tis-function-path`` result, bit for bit (docs/hosts.md).
+sampling masks; each read only when the config needs it or the batch carries it. With nothing extra to read, the
+result is the host's own ``policy_loss`` + ``--custom-tis-function-path`` result, bit for bit (docs/hosts.md).
 """
 
 from __future__ import annotations

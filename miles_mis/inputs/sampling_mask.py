@@ -76,8 +76,8 @@ def full_sizes(value: Any, name: str, response_lengths: Sequence[int]) -> Tensor
                              "expected 1-D integers", i)
         if name == SIZES_KWARG:
             if entry.numel() != n:
-                raise InputError(f"sequence {i}: {name}[{i}] has {entry.numel()} sizes but the response has {n} tokens: "
-                                 "one per token of the whole response", i)
+                raise InputError(f"sequence {i}: {name}[{i}] has {entry.numel()} sizes but the response has {n} "
+                                 "tokens: one per token of the whole response", i)
             parts.append(entry)
             continue
         if entry.numel() != n + 1:
@@ -102,8 +102,8 @@ def _checked_sizes(sizes: Tensor, name: str, lengths: list[int], flat: bool) -> 
             raise InputError(f"{name} has {sizes.numel()} tokens but the responses have {sum(lengths)}")
         ends = torch.tensor(lengths).cumsum(0).tolist()
         i = next((i for i, n in enumerate(lengths) if ends[i] > sizes.numel()), len(lengths) - 1)
-        raise InputError(f"sequence {i}: {name} gives {sizes.numel()} sizes for {sum(lengths)} response tokens: one per "
-                         "token of the whole response", i)
+        raise InputError(f"sequence {i}: {name} gives {sizes.numel()} sizes for {sum(lengths)} response tokens: "
+                         "one per token of the whole response", i)
     negative = (sizes < 0).nonzero()
     if negative.numel():
         token = int(negative[0])

@@ -163,7 +163,8 @@ def detached_list(current: Any, train_log_probs: Any) -> list[Tensor]:
         lengths = list(map(Tensor.numel, current))
     except (AttributeError, TypeError):
         i = next(i for i, value in enumerate(current) if not isinstance(value, Tensor))
-        raise InputError(f"sequence {i}: cur_log_probs[{i}] is a {type(current[i]).__name__}, not a tensor", i) from None
+        raise InputError(f"sequence {i}: cur_log_probs[{i}] is a {type(current[i]).__name__}, not a tensor",
+                         i) from None
     try:
         expected = None if train_log_probs is None else list(map(Tensor.numel, train_log_probs))
     except (AttributeError, TypeError):

@@ -16,6 +16,7 @@ __all__ = [
     "AGREED_FLAGS", "COMMAND_LINE_ONLY", "FLAG_RANGES", "LOG_RATIO_CLAMP", "LOSS_DENOMINATORS", "MIS_SET_EXAMPLES",
     "HelpFormatter", "Reducer", "apply_mis_set", "build_parser", "call_packed", "check_flag_range",
     "convert_config_values", "flag_name", "host_config_text", "is_packed_entry", "load_function", "mask_sums",
-    "merge_config_file", "mis_set_keys", "opsm_keep", "optional_kwargs_taken", "packed_cp_message", "parse_args", "parse_mis_set",
-    "policy_loss", "ppo_clip_loss", "safe_ratio", "sample_denominators", "validate_args", "vanilla_tis",
+    "merge_config_file", "mis_set_keys", "opsm_keep", "optional_kwargs_taken", "packed_cp_message", "parse_args",
+    "parse_mis_set", "policy_loss", "ppo_clip_loss", "safe_ratio", "sample_denominators", "validate_args",
+    "vanilla_tis",
 ]

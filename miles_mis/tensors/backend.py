@@ -12,10 +12,10 @@ What differs is an ulp of exp/expm1 in the weights and metrics (docs/performance
 
 ``effective`` resolves the backend a process actually runs: ``compiled`` needs a working compiler, checked once
 per process by compiling a two-op probe; without one, one warning line (logger ``miles_mis``) and ``eager``. The
-effective backend is part of the settings CP/DP ranks agree on (``inputs.host_call.config_text``): every rank of a group runs
-the same one, or all of them raise, naming it. A kernel that fails to compile later falls back to eager the same
-way (counted in ``FALLBACKS``). Compiled code is cached by inductor on disk (``TORCHINDUCTOR_CACHE_DIR``, by default
-/tmp/torchinductor_<user>): the first call of a process compiles (seconds), a later process reuses it.
+effective backend is part of the settings CP/DP ranks agree on (``inputs.host_call.config_text``): every rank of a
+group runs the same one, or all of them raise, naming it. A kernel that fails to compile later falls back to eager the
+same way (counted in ``FALLBACKS``). Compiled code is cached by inductor on disk (``TORCHINDUCTOR_CACHE_DIR``, by
+default /tmp/torchinductor_<user>): the first call of a process compiles (seconds), a later process reuses it.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def log_bound(bound: float) -> float:
 def log_bounds(bounds: Tensor) -> Tensor:
     """``log_bound`` of each bound of a float tensor (per-lag bounds), float32."""
     values = torch.log(bounds.double())
-    values = torch.where(values >= LOG_RATIO_CLAMP, math.inf, torch.where(values <= -LOG_RATIO_CLAMP, -math.inf, values))
+    values = torch.where(values >= LOG_RATIO_CLAMP, math.inf,
+                         torch.where(values <= -LOG_RATIO_CLAMP, -math.inf, values))
     return values.float()
 
 
