@@ -4,16 +4,16 @@ The context-parallel (CP) group comes from the host's ``parallel_state`` kwarg (
 ``.cp.rank``, ``.cp.size``); without it, from Megatron-core's ``parallel_state`` when that is
 initialised; otherwise CP size is 1 and no collective is issued.
 
-Fail together: a rank never raises alone before a collective its peers are waiting in. Every exchange
-starts with ``agree``: one all-gather of a fixed-size header per rank (error flag, sequence index and
-message of a local failure, batch size, the per-sequence table's schema (fingerprint), local token and token-rejection counts, the effective
-config as text and its fingerprint, and a few float64 payload slots). Every rank decodes every header and
-takes the same decision: if any rank failed or the ranks disagree, every rank raises (the failing rank its
-own error, the others a ``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence
-table exchanged (``exchange_seq_stats``), with the ranks' token-level rejections riding in the same
-collective (miles_mis.parallel.rejection_wire, sized from the counts in the headers), so a CP call makes at most two
-collectives and never a mismatched one. The data-parallel normalisation (``dp_sum``) carries its
-numbers in the header's payload: one collective.
+Fail together: a rank never raises alone before a collective its peers are waiting in. Every exchange starts with
+``agree``: one all-gather of a fixed-size header per rank (error flag, sequence index and message of a local failure,
+batch size, the per-sequence table's schema (fingerprint), local token and token-rejection counts, the effective config
+as text and its fingerprint, and a few float64 payload slots). Every rank decodes every header and takes the same
+decision: if any rank failed or the ranks disagree, every rank raises (the failing rank its own error, the others a
+``PeerFailure`` naming that rank and its message). Only then is the O(B) per-sequence table exchanged
+(``exchange_seq_stats``), with the ranks' token-level rejections riding in the same collective
+(miles_mis.parallel.rejection_wire, sized from the counts in the headers), so a CP call makes at most two collectives
+and never a mismatched one. The data-parallel normalisation (``dp_sum``) carries its numbers in the header's payload:
+one collective.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from torch import Tensor
 # per-sequence columns appended to the stats, compared across CP ranks (the lag only when the host passes lags)
 LENGTH_COLUMNS = ("response_length", "total_length", "span", "version_lag", "rollout_group")
 _MAGIC = 0x6D69736D6973  # "mismis": a header from another miles_mis version (or not ours) is detected
-# magic, error flag, error sequence, batch size, table schema fingerprint, local tokens, rejected local tokens, fingerprint
+# magic, error flag, error sequence, batch size, table schema fingerprint, local tokens, rejected local tokens,
+# fingerprint
 _INTS = "<8q"
-# the batch-sum vector of miles_mis.correction.mismatch_location (16) + the adaptive bound's histogram (195), and the DP exchanges'
-# numbers (at most that histogram)
+# the batch-sum vector of miles_mis.correction.mismatch_location (16) + the adaptive bound's histogram (195), and the
+# DP exchanges' numbers (at most that histogram)
 PAYLOAD_SLOTS = 224
 _FLOATS = f"<{PAYLOAD_SLOTS}d"
 MESSAGE_BYTES, CONFIG_BYTES = 512, 1536
@@ -149,7 +150,8 @@ def encode_header(*, error: BaseException | None = None, batch_size: int = -1, t
 
 def decode_header(blob: bytes) -> Header:
     ints_size, floats_size = struct.calcsize(_INTS), struct.calcsize(_FLOATS)
-    magic, error, sequence, batch_size, table_schema, tokens, rejected, fingerprint = struct.unpack(_INTS, blob[:ints_size])
+    magic, error, sequence, batch_size, table_schema, tokens, rejected, fingerprint = struct.unpack(
+        _INTS, blob[:ints_size])
     payload = struct.unpack(_FLOATS, blob[ints_size:ints_size + floats_size])
     text = blob[ints_size + floats_size:]
     return Header(bool(error), sequence, batch_size, table_schema, tokens, rejected, fingerprint, payload,
@@ -180,10 +182,11 @@ def agree(group: Group, name: str, *, error: BaseException | None = None, batch_
 
     Raises on every rank, with one message naming the rank and what is wrong, when any rank reports an
     error (the rank that failed re-raises ``error`` itself), when the ranks' configs differ (the keys and
-    each rank's value), or when they disagree on the batch size or the per-sequence table's schema. Returns every header.
+    each rank's value), or when they disagree on the batch size or the per-sequence table's schema. Returns every
+    header.
     """
-    blob = encode_header(error=error, batch_size=batch_size, table_schema=table_schema, tokens=tokens, rejected=rejected,
-                         config_text=config_text, payload=payload)
+    blob = encode_header(error=error, batch_size=batch_size, table_schema=table_schema, tokens=tokens,
+                         rejected=rejected, config_text=config_text, payload=payload)
     device = collective_device(group)
     local = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
     gathered = local.new_empty(group.size * HEADER_BYTES)
@@ -206,7 +209,8 @@ def agree(group: Group, name: str, *, error: BaseException | None = None, batch_
     if len({h.fingerprint for h in headers}) > 1:
         raise PeerFailure(f"{name} ranks disagree on the effective config: {_config_difference(headers, name)} "
                           f"(every rank of a {name} group must run the same correction; {me} stops)")
-    for field, label in (("batch_size", "the number of sequences"), ("table_schema", "the per-sequence table's columns")):
+    for field, label in (("batch_size", "the number of sequences"),
+                         ("table_schema", "the per-sequence table's columns")):
         values = [getattr(h, field) for h in headers]
         if len(set(values)) > 1:
             raise PeerFailure(f"{name} ranks disagree on {label}: "
@@ -256,7 +260,8 @@ def exchange_seq_stats(stats: Tensor, lengths: Tensor, cp: Group, extra: Tensor 
                        names: Sequence[str] = LENGTH_COLUMNS) -> tuple[Tensor, Tensor | None]:
     """All-gather every CP rank's per-sequence table: [B, K] stats + [B, 3] lengths (response, total, span; then the
     lag and the rollout group, when the host passes them: ``names`` names the columns) -> [C, B, K] float64, and
-    with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.parallel.rejection_wire) -> [C, E].
+    with it ``extra``, E bytes per rank (uint8 [E]: the token rejections of miles_mis.parallel.rejection_wire) ->
+    [C, E].
 
     One collective of B·(K+3)·8 + E bytes per rank. Call only after ``agree`` (same B, K and E on every rank:
     E is computed from the headers). Raises on every rank when the ranks disagree on any sequence's lengths
