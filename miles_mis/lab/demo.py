@@ -262,7 +262,8 @@ def demo(out_dir: Path, steps: int, seed: int, setting: list[str], engine: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="miles-mis demo", description=__doc__, formatter_class=reference_host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis demo", description=__doc__,
+                                     formatter_class=reference_host.HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/demo"), help="where the runs, figure and summary go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO steps per algorithm, >= 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run (the same for all algorithms)")

@@ -135,7 +135,8 @@ def policy_loss_record(args: argparse.Namespace, batch: Mapping[str, Any], log_p
     else:  # REINFORCE, as the host: no ratio; in bypass the detached π_θ/π_rollout weight in the TIS bounds
         pg_loss = -adv * torch.nan_to_num(current_flat, nan=0.0, posinf=0.0, neginf=0.0)
         if args.use_rollout_logprobs:
-            pg_loss = pg_loss * reference_host.safe_ratio(current_flat - cat(rollout)).clamp(args.tis_clip_low, args.tis_clip)
+            pg_loss = pg_loss * reference_host.safe_ratio(current_flat - cat(rollout)).clamp(args.tis_clip_low,
+                                                                                              args.tis_clip)
 
     return {
         "samples": samples,

