@@ -14,6 +14,7 @@ Five figures, file names in ``FIGURES``:
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -47,7 +48,7 @@ _MAX_BOUND_LINES = 6
 def figures_available() -> bool:
     """True when matplotlib can be imported (the figures are optional)."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError:
         return False
     return True

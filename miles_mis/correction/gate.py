@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import GATE_STATISTICS as STATISTICS  # noqa: F401 (the statistics the gate computes)
+from ..config import GATE_STATISTICS as STATISTICS
+
+# STATISTICS (config.GATE_STATISTICS, what rs_batch_gate may name): the statistics the gate computes
+__all__ = ["PARTS", "PART_REDUCE", "STATISTICS", "decide", "parts", "statistics"]
 
 PARTS = ("sum_k3", "sum_neg_log_ratio", "n_usable", "max_abs_log_ratio")  # what the statistics are made of
 PART_REDUCE = ("sum", "sum", "sum", "max")  # how each part combines over ranks

@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
-from .prompts import Prompts  # noqa: F401 (the policies' batch type, named here with the interface)
+from .prompts import Prompts
+
+# Prompts: the policies' batch type, re-exported here with the interface
+__all__ = ["MODELS", "Prompts", "group_advantages", "make_policy"]
 
 MODELS = ("tiny", "smollm2-135m")
 
