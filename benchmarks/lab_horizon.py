@@ -195,7 +195,8 @@ def regime_table(point: dict) -> str:
                      f"{s['fell_back']} of {s['runs']} | {formatted(s['raw_k3_first_40'], '.2e')} → "
                      f"{formatted(s['raw_k3_last_50'], '.2e')} ({formatted(s['raw_k3_peak_ratio'], '.2f')}) | "
                      f"{formatted(s['grad_norm_first_40'], '.3f')} → {formatted(s['grad_norm_last_50'], '.3f')} "
-                     f"({formatted(s['grad_norm_peak_ratio'], '.2f')}) | {formatted(s['response_length_first_40'], '.1f')} → "
+                     f"({formatted(s['grad_norm_peak_ratio'], '.2f')}) | "
+                     f"{formatted(s['response_length_first_40'], '.1f')} → "
                      f"{formatted(s['response_length_last_50'], '.1f')} |")
     lines += ["", f"| paired difference | at step 40 (steps 31–40) [95 % CI] | at step {end} (last {LAST}) [95 % CI] |",
               "|---|---|---|"]

@@ -105,7 +105,8 @@ _PROCESSED = ["--rollout-logprob-source", "processed"]
 TRUNCATION_SETTINGS = {  # SmolLM2 on vLLM: the detector's false alarms (untruncated) and true alarms (processed)
     "fp32": ["--rollout-dtype", "fp32"], "fp16": ["--rollout-dtype", "fp16"], "bf16": ["--rollout-dtype", "bf16"],
     "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-    **{f"bf16, {name}, processed, mask {mode}": ["--rollout-dtype", "bf16", *flags, *_PROCESSED, "--sampling-mask", mode]
+    **{f"bf16, {name}, processed, mask {mode}": ["--rollout-dtype", "bf16", *flags, *_PROCESSED,
+                                                 "--sampling-mask", mode]
        for name, flags in (("top-p 0.9", ["--rollout-top-p", "0.9"]), ("top-k 50", ["--rollout-top-k", "50"]))
        for mode in ("off", "recompute")},
     "bf16, top-p 0.9, full log-probs": ["--rollout-dtype", "bf16", "--rollout-top-p", "0.9"],
@@ -177,9 +178,9 @@ def variance_row(dtype: str) -> dict:
 
 def generation_row(dtype: str) -> dict:
     """The same 64 prompts with the same per-request seeds generated in one batch of 64 (the reference: the lab's
-    RL path) and in five other compositions (alone, in 2s, in 16s, in two waves, among 64 arriving others); per composition the share of responses whose sampled tokens are
-    identical, and the difference of the log-probs the engine reports on the tokens before a response's first
-    differing token (its common prefix with the reference)."""
+    RL path) and in five other compositions (alone, in 2s, in 16s, in two waves, among 64 arriving others); per
+    composition the share of responses whose sampled tokens are identical, and the difference of the log-probs the
+    engine reports on the tokens before a response's first differing token (its common prefix with the reference)."""
     import torch
 
     from miles_mis.lab.batch_variance import compare_generations, decode_in_batches
@@ -285,8 +286,8 @@ def truncation_table(rows: list[dict]) -> str:
     """Per setting: the mismatch, the detector's values and, where the trainer scored over kept sets, their sizes."""
     from miles_mis.correction import truncated_sampling
 
-    lines = ["| engine setting | k3 | mean \\|Δ log p\\| | ESS | negative ℓ | mean ℓ | mean/std | alarm | kept set: median / "
-             "mean / p90 | singletons | B / token | s |", "|" + "---|" * 12]
+    lines = ["| engine setting | k3 | mean \\|Δ log p\\| | ESS | negative ℓ | mean ℓ | mean/std | alarm | "
+             "kept set: median / mean / p90 | singletons | B / token | s |", "|" + "---|" * 12]
     for r in rows:
         kept = (f"{r['kept_set_size_median']:.0f} / {r['kept_set_size_mean']:.1f} / {r['kept_set_size_p90']:.0f} | "
                 f"{r['kept_set_singleton_fraction']:.0%} | {r['kept_set_bytes_per_token']:.0f}"
@@ -333,28 +334,30 @@ def probability_table(rows: list[dict]) -> str:
 
 
 def position_table(rows: list[dict]) -> str:
-    """The plugin's live k3 by response position (``mis_k3_position_<a>_<b>``), per setting, buckets that hold tokens."""
+    """The plugin's live k3 by response position (``mis_k3_position_<a>_<b>``), per setting, buckets that hold
+    tokens."""
     buckets = sorted({(int(k.split("_")[3]), k) for r in rows for k, v in r.items()
                       if k.startswith("mis_k3_position_") and v})
     lines = ["| model | setting | " + " | ".join(f"position [{k.split('_')[3]}, {k.split('_')[4]})" for _, k in buckets)
              + " |", "|---" * (len(buckets) + 2) + "|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['name']} | " + " | ".join(f"{r[k]:.1e}" if r.get(k) else "—" for _, k in buckets)
-                     + " |")
+        lines.append(f"| {r['model']} | {r['name']} | "
+                     + " | ".join(f"{r[k]:.1e}" if r.get(k) else "—" for _, k in buckets) + " |")
     return "\n".join(lines)
 
 
 def variance_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
-        lines += [f"| vLLM {r['dtype']}, SmolLM2-135M ({r['tokens']} tokens) | vs generated: max \\|Δ\\| | mean \\|Δ\\| | "
-                  "k3 of the difference | vs scored in the batch: max \\|Δ\\| |", "|---|---|---|---|---|"]
+        lines += [f"| vLLM {r['dtype']}, SmolLM2-135M ({r['tokens']} tokens) | vs generated: max \\|Δ\\| | "
+                  "mean \\|Δ\\| | k3 of the difference | vs scored in the batch: max \\|Δ\\| |",
+                  "|---|---|---|---|---|"]
         for name, v in r["rows"].items():
             lines.append(f"| {name} | {v['max_abs']:.2e} | {v['mean_abs']:.2e} | {v['k3']:.2e} | "
                          f"{v['max_abs_vs_in_batch']:.2e} |")
         t = r["trainer"]
-        lines += [f"| (for scale: the trainer's fp32 recompute vs generated) | {t['max_abs']:.2e} | {t['mean_abs']:.2e} "
-                  f"| {t['k3']:.2e} | |", ""]
+        lines += [f"| (for scale: the trainer's fp32 recompute vs generated) | {t['max_abs']:.2e} | "
+                  f"{t['mean_abs']:.2e} | {t['k3']:.2e} | |", ""]
     return "\n".join(lines)
 
 
@@ -373,7 +376,8 @@ def rl_table(rows: list[dict]) -> str:
             spread = f" ± {statistics.stdev(last):.3f}" if len(last) > 1 else ""
             per_step = [r["seconds_per_step"] for r in cell if r["seconds_per_step"]]
             lines.append(f"| {setting} | {algorithm} | {len(cell)} | {statistics.mean(first):.3f} | "
-                         f"{statistics.mean(last):.3f}{spread} | {statistics.mean(last) - statistics.mean(first):+.3f} | "
+                         f"{statistics.mean(last):.3f}{spread} | "
+                         f"{statistics.mean(last) - statistics.mean(first):+.3f} | "
                          f"{k3_first:.2e} → {k3_last:.2e} | {statistics.median(per_step):.1f} |")
     return "\n".join(lines)
 
@@ -416,8 +420,8 @@ def generation_table(rows: list[dict]) -> str:
         lines += [f"| vLLM {r['dtype']}, SmolLM2-135M, 64 responses ({r['tokens']} tokens) generated | identical "
                   "responses | common-prefix tokens | max \\|Δ log p\\| | mean \\|Δ\\| | k3 of the difference |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {v['identical_responses']}/{r['responses']} | {v['prefix_tokens']} | {v['max_abs']:.2e} | "
-                  f"{v['mean_abs']:.2e} | {v['k3']:.2e} |" for name, v in r["rows"].items()]
+        lines += [f"| {name} | {v['identical_responses']}/{r['responses']} | {v['prefix_tokens']} | "
+                  f"{v['max_abs']:.2e} | {v['mean_abs']:.2e} | {v['k3']:.2e} |" for name, v in r["rows"].items()]
         lines.append("")
     return "\n".join(lines)
 

@@ -13,7 +13,8 @@ Standard PPO reads the engine's log-probs only for metrics, so its two no-replay
 rewards to the bit in a 2-step run); it runs ``processed, no replay`` and ``replay`` only.
 Same seed = same prompts and the same first rollout in every cell of a top-p, so differences are paired. Each run is
 a child process (its peak memory measured), its row appended to benchmarks/results/lab_truncation_rl.jsonl.
-At 28 s a step on two cores, one seed of one top-p is 5 runs ≈ 50 min. The order is by top-p, then seed, so that a cut leaves whole paired sets.
+At 28 s a step on two cores, one seed of one top-p is 5 runs ≈ 50 min. The order is by top-p, then seed, so that a cut
+leaves whole paired sets.
 """
 
 from __future__ import annotations
@@ -103,12 +104,13 @@ def table(rows: list[dict]) -> str:
                 n, diff, half = paired(rows, top_p, algorithm, mode) if mode != "replay" else (0, math.nan, math.nan)
                 delta = ("—" if mode == "replay" or n == 0 else
                          f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
-                kept = "—" if all(v is None for r in cell for v in r["kept_set_size_mean"]) else f"{mean('kept_set_size_mean'):.1f}"
+                kept = ("—" if all(v is None for r in cell for v in r["kept_set_size_mean"])
+                        else f"{mean('kept_set_size_mean'):.1f}")
                 lines.append(f"| {top_p} | {algorithm} | {mode} | {len(cell)} | {statistics.mean(reward):.3f}"
                              f"{f' ± {statistics.stdev(reward):.3f}' if len(reward) > 1 else ''} | {delta} | "
                              f"{mean('raw_ratio_mean'):.4f} | {mean('mis_log_ratio_negative_fraction'):.3f} | "
-                             f"{mean('mis_log_ratio_standardized_mean'):+.2f} | {mean('mis_unreplayed_truncation'):.2f} | "
-                             f"{kept} |")
+                             f"{mean('mis_log_ratio_standardized_mean'):+.2f} | "
+                             f"{mean('mis_unreplayed_truncation'):.2f} | {kept} |")
     return "\n".join(lines)
 
 
@@ -131,7 +133,8 @@ def cost_table(rows: list[dict]) -> str:
             rss = [(b["peak_rss_mib"], r["peak_rss_mib"]) for b, r in pairs if b["peak_rss_mib"] and r["peak_rss_mib"]]
             memory = (f"{max(b for b, _ in rss):.0f} → {max(r for _, r in rss):.0f}" if rss else "—")
             lines.append(f"| {top_p} | {algorithm} | {len(pairs)} ({'; '.join(machines)}) | "
-                         f"{statistics.median(step(b) for b, _ in pairs):.1f} → {statistics.median(step(r) for _, r in pairs):.1f} | "
+                         f"{statistics.median(step(b) for b, _ in pairs):.1f} → "
+                         f"{statistics.median(step(r) for _, r in pairs):.1f} | "
                          f"{ratios} | {memory} |")
     return "\n".join(lines)
 

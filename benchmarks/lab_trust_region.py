@@ -3,7 +3,8 @@ each rejects at the same overall rejected fraction, and what each does to GRPO.
 
     python benchmarks/lab_trust_region.py tokens   # per engine setting: the masks matched at 0.5, 2 and 5 % rejected
     python benchmarks/lab_trust_region.py rl       # GRPO runs with each mask at bf16 + fp8 weights, 2 seeds
-    python benchmarks/lab_trust_region.py tables   # the markdown tables of docs/lab/trust_region.md from the results files
+    python benchmarks/lab_trust_region.py tables   # the markdown tables of docs/lab/trust_region.md from the
+                                                     results files
 
 tokens: ``--batches`` rollout batches (16 prompts x 4 samples, the initial weights, seed 0) per engine setting; the
 float32 trainer's π_old against the engine's π_rollout. For each target fraction f the two thresholds that reject
@@ -198,8 +199,9 @@ def tokens_table(rows: list[dict]) -> str:
     for row in rows:
         targets = row["targets"]
         lines += [f"**{row['setting']}** ({row['tokens']} tokens, {row['sequences']} samples, k3 {row['k3']:.2e})", "",
-                  "| target | ratio mask [1/U, U] | TV mask δ | rejected: ratio, TV, DPPO | overlap | ratio's from q < 0.1 "
-                  "| TV's from q < 0.1 | mean abs(p − q): ratio, TV | mean abs(log ρ): ratio, TV |",
+                  "| target | ratio mask [1/U, U] | TV mask δ | rejected: ratio, TV, DPPO | overlap | "
+                  "ratio's from q < 0.1 | TV's from q < 0.1 | mean abs(p − q): ratio, TV | "
+                  "mean abs(log ρ): ratio, TV |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for e in targets:
             r, t, d = e["ratio_mask"], e["tv_mask"], e["dppo_mask"]
@@ -226,14 +228,15 @@ def rl_table(rows: list[dict]) -> str:
     steps = min(r["steps"] for r in rows)
     window = max(steps // 4, 1)
     baseline = [dict(r, reward=r["reward"][:steps]) for r in read_results(RESULTS / "lab_real_model_rl.jsonl")
-                if r["setting"] == RL_SETTING and r["algorithm"] in ("standard", "decoupled_tis") and r["steps"] >= steps]
+                if r["setting"] == RL_SETTING and r["algorithm"] in ("standard", "decoupled_tis")
+                and r["steps"] >= steps]
     cells = [(name, [r for r in baseline if r["algorithm"] == name]) for name in ("standard", "decoupled_tis")]
     cells += [(f"decoupled_tis + {mask}", [r for r in rows if r["mask"] == mask and r["steps"] == steps])
               for mask in MASKS]
     cells += [(f"REINFORCE π_θ/μ{' + prime-rl mask' if mask == 'prime_rl' else ''}",
                [r for r in rows if r["mask"] == mask and r["steps"] == steps]) for mask in PRIME_RL]
-    lines = [f"| run ({RL_SETTING}, {steps} steps) | seeds | steps 1–{window} | steps {steps - window + 1}–{steps} | Δ | "
-             "tokens rejected |", "|---|---|---|---|---|---|"]
+    lines = [f"| run ({RL_SETTING}, {steps} steps) | seeds | steps 1–{window} | steps {steps - window + 1}–{steps} | "
+             "Δ | tokens rejected |", "|---|---|---|---|---|---|"]
     for name, cell in cells:
         if not cell:
             continue

