@@ -28,18 +28,18 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from miles_mis import MisConfig, compute_mis_weights_with_cp
+from miles_mis.inputs import config_text
+from miles_mis.parallel import distributed
+from miles_mis.parallel.cp_layout import zigzag_layout
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_core import make_inputs  # noqa: E402
-from cp_harness import cp_state, shard, spawn  # noqa: E402
-
-from miles_mis import MisConfig, compute_mis_weights_with_cp
-from miles_mis.parallel import distributed  # noqa: E402
-from miles_mis.inputs import config_text  # noqa: E402
-from miles_mis.parallel.cp_layout import zigzag_layout  # noqa: E402
+from bench_core import make_inputs  # noqa: E402 (benchmarks/ on sys.path above)
+from cp_harness import cp_state, shard, spawn  # noqa: E402 (tests/ on sys.path above)
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
 # (label, config): the default rejects at token level but, at this noise (sigma 0.05), almost never does; token
