@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cpu")
 
 
-# MILES_MIS_BACKEND=compiled runs every config built in the tests on the compiled backend (miles_mis.tensors.backend): then
-# every config compiles (dynamo's limit of 8 per kernel would run the rest eager), and the run ends with the count of
-# kernels that fell back to eager (0 expected)
+# MILES_MIS_BACKEND=compiled runs every config built in the tests on the compiled backend (miles_mis.tensors.backend):
+# then every config compiles (dynamo's limit of 8 per kernel would run the rest eager), and the run ends with the count
+# of kernels that fell back to eager (0 expected)
 if os.environ.get("MILES_MIS_BACKEND") == "compiled":
     import torch._dynamo
 

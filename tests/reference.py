@@ -62,8 +62,9 @@ def _fractions(prefix: str, mode: str, rho: float, lower: float, upper: float) -
 
 
 def _estimators(t) -> dict[str, float]:
-    """Every estimator of a usable token: k1 of its log ratio, k2 and k3 of its clamped log ratio, and with p = π_train, q = π_rollout
-    of the sampled token: tv = p − q, atv = |p − q|, bkl = KL(Bern(q) ‖ Bern(p)) (p = q = 1 if not usable)."""
+    """Every estimator of a usable token: k1 of its log ratio, k2 and k3 of its clamped log ratio, and with p = π_train,
+    q = π_rollout of the sampled token: tv = p − q, atv = |p − q|, bkl = KL(Bern(q) ‖ Bern(p)) (p = q = 1 if not
+    usable)."""
     c = _clamp(t["ell"])
     p, q = math.exp(min(t["train"], 0.0)), math.exp(min(t["rollout"], 0.0))
     return {"k1": -t["ell"], "k2": c * c / 2, "k3": _k3(c, c), "tv": p - q, "atv": abs(p - q),
@@ -122,8 +123,8 @@ def divergence_reference(cfg, sequences, put):
             ks = [_estimators(t)[DIRECTIONAL.get(estimator, estimator)] if t["usable"] else 0.0 for t in toks]
             usable = [k for k, t in zip(ks, toks) if t["usable"]]
             if aggregation == "token":
-                rejected = [t["usable"] and not _keeps(estimator, k, lower, upper) and (not directional or _moves_out(t))
-                            for k, t in zip(ks, toks)]
+                rejected = [t["usable"] and not _keeps(estimator, k, lower, upper)
+                            and (not directional or _moves_out(t)) for k, t in zip(ks, toks)]
                 put(f"{name}_mean", i, ks)
                 put(f"{name}_masked_token_fraction", i, [float(r) for r in rejected])
                 put(f"{name}_masked_seq_fraction", i, [float(any(rejected))] * len(toks))
@@ -165,8 +166,8 @@ def divergence_reference(cfg, sequences, put):
 
 
 def truncation_reference(usable: list, sizes: list | None = None) -> dict[str, float]:
-    """The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over the usable tokens, written out; with
-    ``sizes`` (each usable token's kept-set size, 0 = not recorded) the sampling-mask metrics too."""
+    """The unreplayed-truncation detector (miles_mis/correction/truncated_sampling.py) over the usable tokens, written
+    out; with ``sizes`` (each usable token's kept-set size, 0 = not recorded) the sampling-mask metrics too."""
     from miles_mis.correction import truncated_sampling
 
     ells = [t["ell"] for t in usable]
@@ -210,7 +211,8 @@ def batch_level_reference(cfg, sequences, put) -> bool:
         "batch_max_abs_log_ratio": max((abs(t["ell"]) for t in usable), default=0.0),
     }
     for a, b in POSITION_BUCKETS:
-        values[f"k3_position_{a}_{'inf' if b == math.inf else b}"] = mean_k3([t for t in usable if a <= t["position"] < b])
+        values[f"k3_position_{a}_{'inf' if b == math.inf else b}"] = mean_k3([t for t in usable
+                                                                             if a <= t["position"] < b])
     values.update(truncation_reference(usable))
     exceeded = [name for name, threshold in cfg.rs_batch_gate if values[f"batch_{name}"] > threshold]
     gated = bool(exceeded) and cfg.use_tis

@@ -161,8 +161,8 @@ def test_config_accepts_and_round_trips():
 
 
 def test_through_the_host_from_a_yaml_file(tmp_path):
-    """reference_host.policy_loss with the plugin and a YAML that asks for the adaptive bound: the decoupled PPO gradient
-    is the PPO gradient weighted by min(ρ, U), U the reference's choice over the five tokens."""
+    """reference_host.policy_loss with the plugin and a YAML that asks for the adaptive bound: the decoupled PPO
+    gradient is the PPO gradient weighted by min(ρ, U), U the reference's choice over the five tokens."""
     from test_host import ADVS, expected_ppo_grad, grads, make_batch
 
     from miles_mis import reference_host
@@ -172,8 +172,8 @@ def test_through_the_host_from_a_yaml_file(tmp_path):
     config.write_text("tis_upper_bound: auto\ntis_auto_bounds: [1.0, 3.0]\ntis_auto_target_ess: 0.8\n")
     rollout_gaps = [0.3, -0.2, 1.0, 0.0, -1.5]  # π_old / π_rollout = exp(gap)
     batch, current = make_batch([[0.0] * 5], [rollout_gaps], [ADVS])
-    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
-                            "--custom-config-path", str(config)])
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path",
+                                      "miles_mis.compute_mis_weights_with_cp", "--custom-config-path", str(config)])
     _, metrics, (grad,) = grads(args, batch, current)
     upper, _, _ = auto_upper_bound([(math.exp(g), 1) for g in rollout_gaps], (1.0, 3.0), 0.8)
     assert math.exp(0.3) < upper < math.e  # the bound truncates the largest ratio only

@@ -1,5 +1,5 @@
-"""The compiled backend (miles_mis.tensors.backend, ``kernel_backend: compiled``): the same decisions as eager on every case,
-values within a few ulps, no graph break in a compiled kernel, no recompile for a new batch size, the same results
+"""The compiled backend (miles_mis.tensors.backend, ``kernel_backend: compiled``): the same decisions as eager on every
+case, values within a few ulps, no graph break in a compiled kernel, no recompile for a new batch size, the same results
 on every CP rank as cp = 1, and an eager fallback in one line without a compiler."""
 
 import dataclasses

@@ -42,5 +42,6 @@ def test_decode_in_batches_keeps_order_and_seeds():
 
     engine = _Engine()
     tokens, log_probs = decode_in_batches(engine, [torch.tensor([0])] * 5, [10, 11, 12, 13, 14], 4, 2)
-    assert [int(t) for t in tokens] == [10, 11, 12, 13, 14] and [float(lp) for lp in log_probs] == [-10, -11, -12, -13, -14]
+    assert [int(t) for t in tokens] == [10, 11, 12, 13, 14] and [float(lp) for lp in log_probs] == [-10, -11, -12, -13,
+                                                                                                      -14]
     assert engine.calls == [(2, [0, 0]), (2, [0, 0]), (1, [0])]

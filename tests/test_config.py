@@ -117,7 +117,8 @@ def test_bounds_outside_the_clamp_are_refused(tmp_path, text):
         MisConfig.from_yaml(path)
 
 
-# ---------------------------------------------------------------- YAML loading (shared by from_yaml, the host, check-config)
+# ---------------------------------------------------------------- YAML loading (shared by from_yaml, the host,
+# check-config)
 def yaml_error(tmp_path, text):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -249,7 +250,8 @@ VALID_SETTINGS = [
      "tis_upper_bound: auto\ntis_auto_target_ess: 0.8"),
     ("tis_auto_bounds", {"tis_upper_bound": "auto", "tis_auto_bounds": "1.5_10"},
      'tis_upper_bound: auto\ntis_auto_bounds: "1.5_10"'),
-    ("tis_auto_scope", {"tis_upper_bound": "auto", "tis_auto_scope": "dp"}, "tis_upper_bound: auto\ntis_auto_scope: dp"),
+    ("tis_auto_scope", {"tis_upper_bound": "auto", "tis_auto_scope": "dp"},
+     "tis_upper_bound: auto\ntis_auto_scope: dp"),
     ("tis_policy", {"tis_policy": "current"}, "tis_policy: current"),
     ("tis_upper_bound_by_lag", {"tis_upper_bound_by_lag": [2.0, 1.5, "1.2"]},
      'tis_upper_bound_by_lag: [2.0, 1.5, "1.2"]'),

@@ -216,7 +216,8 @@ def long_response_worker(rank, size):
     gen = torch.Generator().manual_seed(21)
     lengths = [6000, 100_000, 37]
     train = [-torch.rand(n, generator=gen) * 3.0 for n in lengths]
-    full = dict(train_log_probs=train, rollout_log_probs=[t + 0.02 * torch.randn(t.shape, generator=gen) for t in train],
+    full = dict(train_log_probs=train,
+                rollout_log_probs=[t + 0.02 * torch.randn(t.shape, generator=gen) for t in train],
                 loss_masks=[(torch.rand(n, generator=gen) > 0.1).float() for n in lengths],
                 total_lengths=[n + 100 for n in lengths], response_lengths=lengths, max_seq_lens=None)
     pg_loss = torch.randn(sum(lengths), generator=gen)

@@ -28,7 +28,8 @@ def fresh_import(name: str):
 @pytest.mark.parametrize("old, new", MOVED)
 def test_the_old_path_warns_naming_the_new_one(old, new):
     _, caught = fresh_import(old)
-    ours = [w for w in caught if issubclass(w.category, DeprecationWarning) and old + " is deprecated" in str(w.message)]
+    ours = [w for w in caught
+            if issubclass(w.category, DeprecationWarning) and old + " is deprecated" in str(w.message)]
     assert len(ours) == 1
     assert f"import {new.__name__} instead" in str(ours[0].message) and "0.3.0" in str(ours[0].message)
     assert ours[0].filename != importlib.import_module("miles_mis.deprecation").__file__  # points at the importer

@@ -193,8 +193,8 @@ def test_binary_tv_and_kl_hand_case_where_a_ratio_mask_disagrees():
     masks = [torch.ones(2)]
     ratio = MisConfig(use_tis=True, rs_divergence={"token_k1": [0.5, 2.0]})
     tv = MisConfig(use_tis=True, rs_divergence={"token_atv": 0.1})
-    assert compute_mis_weights(ratio, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)[1][0].tolist() \
-        == [0.0, 1.0]
+    assert compute_mis_weights(ratio, train_log_probs=train, rollout_log_probs=rollout,
+                               loss_masks=masks)[1][0].tolist() == [0.0, 1.0]
     _, kept, metrics = compute_mis_weights(tv, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
     assert kept[0].tolist() == [1.0, 0.0]
     assert metrics["mis_rs_token_atv_mean"][0].tolist() == pytest.approx([9e-4, 0.39], rel=1e-5)

@@ -97,7 +97,8 @@ def test_cli_check_config(repo_root, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "miles_mis.cli", "check-config", str(repo_root / "configs/mis.yaml"),
                          "--use-tis"], capture_output=True, text=True)
     assert ok.returncode == 0
-    assert "use_tis: true" in ok.stdout and "tis_lower_bound: 0.5" in ok.stdout and "rs_veto_threshold: 0.0001" in ok.stdout
+    assert ("use_tis: true" in ok.stdout and "tis_lower_bound: 0.5" in ok.stdout
+            and "rs_veto_threshold: 0.0001" in ok.stdout)
     bad = tmp_path / "bad.yaml"
     bad.write_text("tis_mode: trunc\n")
     err = subprocess.run([sys.executable, "-m", "miles_mis.cli", "check-config", str(bad)], capture_output=True,

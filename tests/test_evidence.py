@@ -58,7 +58,8 @@ def test_paired_difference_by_hand():
     # sd = 0.05, t_{0.975,2} = 4.3027: half-width 0.05 * 4.3027 / sqrt(3) = 0.1242, interval [0.126, 0.374]
     assert diff.half_width == pytest.approx(0.05 * 4.302653 / math.sqrt(3), rel=1e-5)
     assert diff.resolved and diff.low == pytest.approx(0.1258, abs=1e-4)
-    assert evidence.verdict("x", "standard", diff) == "x ends above standard: +0.250 [+0.126, +0.374] (n=3), 3 of 3 seeds higher"
+    assert evidence.verdict("x", "standard", diff) == ("x ends above standard: +0.250 [+0.126, +0.374] (n=3), "
+                                                       "3 of 3 seeds higher")
     wide = evidence.paired_difference({0: 0.6, 1: 0.7, 2: 0.8}, b)  # 0.2 ± 0.248: includes 0
     assert not wide.resolved
 

@@ -133,8 +133,8 @@ def case_lengths_disagree(rank, size):
 def _host_call(rank, size, argv=(), mutate=None, change_batch=None):
     from miles_mis import reference_host
 
-    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
-                            *argv])
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path",
+                                      "miles_mis.compute_mis_weights_with_cp", *argv])
     if mutate:
         mutate(args)
     full, _ = make_full_batch(seed=11, num_seqs=5)
@@ -457,7 +457,8 @@ def test_header_is_fixed_size_and_round_trips():
     assert len(blob) == HEADER_BYTES
     header = distributed.decode_header(blob)
     assert header.error and header.error_sequence == 4 and (header.batch_size, header.table_schema) == (7, 12)
-    assert header.payload == (1.5, 2.0) + (0.0,) * (distributed.PAYLOAD_SLOTS - 2) and header.config_text == "use_tis=True\ntis_mode='mask'"
+    assert (header.payload == (1.5, 2.0) + (0.0,) * (distributed.PAYLOAD_SLOTS - 2)
+            and header.config_text == "use_tis=True\ntis_mode='mask'")
     assert header.message.startswith("sequence 4: badéé") and header.message.endswith("é...")
     assert len(header.message.encode()) <= distributed.MESSAGE_BYTES
     assert header.fingerprint == distributed.config_fingerprint("use_tis=True\ntis_mode='mask'")

@@ -27,7 +27,8 @@ def make_batch(log_ratios_old, log_ratios_rollout, advantages, masks=None, seed=
         log_probs=[c.detach() - torch.tensor(g, device=DEVICE) for c, g in zip(current, log_ratios_old)],
         rollout_log_probs=[c.detach() - torch.tensor(g, device=DEVICE) for c, g in zip(current, log_ratios_rollout)],
         loss_masks=[torch.ones(len(a), device=DEVICE) if masks is None
-                    else torch.tensor(m, dtype=torch.float32, device=DEVICE) for a, m in zip(advantages, masks or advantages)],
+                    else torch.tensor(m, dtype=torch.float32, device=DEVICE)
+                    for a, m in zip(advantages, masks or advantages)],
         response_lengths=[len(a) for a in advantages], total_lengths=[len(a) + 3 for a in advantages])
     return batch, current
 
@@ -129,7 +130,8 @@ def test_reinforce_with_is_gradient(repo_root):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["pg_clipfrac"].item() == 0.0
     # bypass REINFORCE: w = π_θ/π_rollout within the built-in bounds [tis_clip_low, tis_clip], no PPO clipping
-    _, _, (grad,) = grads(reference_host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"]), batch, current)
+    _, _, (grad,) = grads(reference_host.parse_args(["--loss-type", "reinforce", "--use-rollout-logprobs"]), batch,
+                          current)
     weights = [min(math.exp(r), 2.0) for r in rollout_gaps]
     torch.testing.assert_close(grad, torch.tensor([-a * w / 5 for a, w in zip(ADVS, weights)]))
 
@@ -228,7 +230,8 @@ def test_yaml_is_merged_before_validation(tmp_path):
         reference_host.parse_args(["--use-rollout-logprobs", "--custom-config-path", str(config)])
     config.write_text("tis_mode: trunc\n")
     with pytest.raises(ValueError, match="did you mean 'truncate'"):
-        reference_host.parse_args(["--use-tis", "--custom-tis-function-path", PLUGIN, "--custom-config-path", str(config)])
+        reference_host.parse_args(["--use-tis", "--custom-tis-function-path", PLUGIN,
+                                   "--custom-config-path", str(config)])
 
 
 def test_reinforce_bypass_is_allowed_and_needs_rollout_log_probs():
@@ -296,7 +299,8 @@ def test_current_policy_flag_is_checked_at_start_up(tmp_path, capsys):
 def test_the_host_hands_the_batch_lags_to_the_plugin(entry, tmp_path):
     config = tmp_path / "mis.yaml"
     config.write_text("rs_max_lag: 1\n")
-    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", entry, "--custom-config-path", str(config)])
+    args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", entry,
+                                      "--custom-config-path", str(config)])
     batch, current = make_batch([[0.1, 0.0], [0.0], [0.2, 0.1]], [[0.0, 0.1], [0.3], [0.0, 0.0]],
                                 [[1.0, 1.0], [-1.0], [2.0, 2.0]])
     for lags in ({"version_lags": [0, 2, 1]}, {"weight_versions": [["5"], ["3", "4"], ["4"]],
@@ -350,10 +354,12 @@ def test_a_correction_function_with_an_explicit_signature_gets_only_what_it_name
     assert float(losses["scaled"].detach()) == pytest.approx(0.5 * float(losses["identity"].detach()), rel=1e-6)
     assert float(metrics.get("seen_lag", 0.0)) == 0.0 and "ois" in metrics  # identity returns no metric
     args = reference_host.parse_args(["--use-tis", "--custom-tis-function-path", f"{plugin_file}:scaled"])
-    assert float(reference_host.policy_loss(args, batch, current)[1]["seen_lag"]) == pytest.approx(2.0)  # the lag it named
+    # the lag it named
+    assert float(reference_host.policy_loss(args, batch, current)[1]["seen_lag"]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="takes no cur_log_probs"):
-        reference_host.policy_loss(reference_host.parse_args(["--use-tis", "--loss-type", "reinforce", "--pass-current-log-probs",
-                                          "--custom-tis-function-path", f"{plugin_file}:identity"]), batch, current)
+        reference_host.policy_loss(reference_host.parse_args(["--use-tis", "--loss-type", "reinforce",
+                                                              "--pass-current-log-probs", "--custom-tis-function-path",
+                                                              f"{plugin_file}:identity"]), batch, current)
     assert reference_host.optional_kwargs_taken(lambda **kwargs: None, {"advantages": 1}) == {"advantages": 1}
 
 

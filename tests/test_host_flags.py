@@ -93,7 +93,8 @@ def test_defaults_and_range_edges_are_valid():
     args = reference_host.parse_args([])
     assert (args.eps_clip, args.eps_clip_high, args.eps_clip_c, args.tis_clip, args.tis_clip_low,
             args.opsm_delta) == (0.2, None, None, 2.0, 0.0, 1e-4)
-    args = reference_host.parse_args(["--tis-clip-low", "0", "--opsm-delta", "0", "--eps-clip-c", "1.01", "--eps-clip", "1e-4"])
+    args = reference_host.parse_args(["--tis-clip-low", "0", "--opsm-delta", "0", "--eps-clip-c", "1.01",
+                                      "--eps-clip", "1e-4"])
     assert (args.tis_clip_low, args.opsm_delta, args.eps_clip_c, args.eps_clip) == (0.0, 0.0, 1.01, 1e-4)
 
 
@@ -221,13 +222,15 @@ def test_file_plugin_is_executed_once_per_process(tmp_path):
 # ---------------------------------------------------------------- --help
 def test_help_shows_defaults():
     text = " ".join(reference_host.build_parser().format_help().split())
-    for part in ["--eps-clip EPS_CLIP PPO clip range below 1, > 0 (default: 0.2)", "(default: 0.0)", "(default: 0.0001)",
-                 "--loss-type {ppo,reinforce}", "(default: ppo)", "(default: thd)", "(default: 2.0)"]:
+    for part in ["--eps-clip EPS_CLIP PPO clip range below 1, > 0 (default: 0.2)", "(default: 0.0)",
+                 "(default: 0.0001)", "--loss-type {ppo,reinforce}", "(default: ppo)", "(default: thd)",
+                 "(default: 2.0)"]:
         assert part in text, part
     from miles_mis.lab.train import build_parser
 
     lab = " ".join(build_parser().format_help().split())
-    assert "(default: 0.2)" in lab and "--steps STEPS RL steps (rollout batches), >= 0 (default: 60)" in lab and "(default: bf16)" in lab
+    assert ("(default: 0.2)" in lab and "--steps STEPS RL steps (rollout batches), >= 0 (default: 60)" in lab
+            and "(default: bf16)" in lab)
     assert lab.count("(default: 0.2)") == 1
     for help_text in (text, lab):
         assert "--mis-set KEY=VALUE set one miles_mis config key" in help_text
@@ -332,8 +335,9 @@ def test_no_warning_when_a_function_reads_the_file_or_tis_is_off(tmp_path, capsy
 def test_lab_train_prints_the_warning_as_one_line(tmp_path):
     path = tmp_path / "flags.yaml"
     path.write_text("eps_clip: 0.3\n")
-    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", "--use-tis", "--custom-config-path", str(path),
-                          "--steps", "0", "--sft-steps", "0", "--out-dir", str(tmp_path / "run")],
+    out = subprocess.run([sys.executable, "-m", "miles_mis.cli", "train", "--use-tis",
+                          "--custom-config-path", str(path), "--steps", "0", "--sft-steps", "0",
+                          "--out-dir", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr == builtin_tis_warning(path) + f"wrote {tmp_path / 'run' / 'metrics.jsonl'} (0 steps)\n"
@@ -397,7 +401,8 @@ def test_mis_set_overrides_the_config_file_key(tmp_path):
                  ["--mis-set", "tis_mode=mask", "--custom-config-path", str(path)]):  # the order of the flags
         config = MisConfig.from_args(reference_host.parse_args([*WITH_PLUGIN, *argv]))
         assert (config.tis_mode, config.tis_lower_bound, config.rs_batch_gate) == ("mask", 0.5, (("k3", 0.05),))
-    args = reference_host.parse_args([*WITH_PLUGIN, "--custom-config-path", str(path), "--mis-set", "rs_batch_gate=null"])
+    args = reference_host.parse_args([*WITH_PLUGIN, "--custom-config-path", str(path),
+                                      "--mis-set", "rs_batch_gate=null"])
     assert MisConfig.from_args(args).rs_batch_gate == ()  # the file's gate turned off from the command line
     # a valid file key overridden by an invalid value: the error names --mis-set, not the file
     path.write_text("tis_mode: clip\n")

@@ -78,7 +78,8 @@ def test_call_packed_returns_the_list_entry_points_loss_masks_and_metrics(config
     pg_loss[int((mask == 0).nonzero()[0])] = float("nan")  # and on an untrained token: both must become 0
     want_loss, want_masks, want_metrics = compute_mis_weights_with_cp(
         config, pg_loss=pg_loss, total_lengths=full["total_lengths"], **kwargs)
-    got_loss, got_masks, got_metrics = reference_host.call_packed(compute_mis_weights_packed, config, pg_loss=pg_loss, **kwargs)
+    got_loss, got_masks, got_metrics = reference_host.call_packed(compute_mis_weights_packed, config, pg_loss=pg_loss,
+                                                                  **kwargs)
     if config.use_tis:
         assert torch.equal(got_loss, want_loss) and torch.isfinite(got_loss).all()
     else:  # metrics-only: pg_loss unchanged, NaN included
@@ -103,7 +104,8 @@ def test_a_file_that_reexports_the_packed_function_takes_the_packed_path(tmp_pat
     plugin = tmp_path / "my_packed.py"
     plugin.write_text("from miles_mis import compute_mis_weights_packed\n")
     path = f"{plugin}:compute_mis_weights_packed"
-    assert reference_host.is_packed_entry(reference_host.load_function(path)) and reference_host.is_packed_entry(reference_host.load_function(PACKED))
+    assert (reference_host.is_packed_entry(reference_host.load_function(path))
+            and reference_host.is_packed_entry(reference_host.load_function(PACKED)))
     assert not reference_host.is_packed_entry(reference_host.load_function(LIST))
     batch, current = rejection_batch()
     # called with the list contract (args=, pg_loss=, ...) the packed function would raise a TypeError

@@ -103,8 +103,8 @@ def test_the_engine_records_exactly_the_set_it_sampled_from():
 def _lab(tmp_path, *flags, name):
     from miles_mis.lab.train import parse_args, train
 
-    argv = ["--steps", "2", "--prompts-per-step", "4", "--sft-steps", "10", "--quiet", "--out-dir", str(tmp_path / name),
-            "--rollout-top-p", "0.9", "--use-tis", "--custom-tis-function-path",
+    argv = ["--steps", "2", "--prompts-per-step", "4", "--sft-steps", "10", "--quiet",
+            "--out-dir", str(tmp_path / name), "--rollout-top-p", "0.9", "--use-tis", "--custom-tis-function-path",
             "miles_mis.compute_mis_weights_with_cp", *flags]
     return train(parse_args(argv))
 

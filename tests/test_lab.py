@@ -293,9 +293,10 @@ def test_resume_names_a_checkpoint_of_the_wrong_shape(tmp_path):
 
 
 def test_torchrun_cp2_equals_cp1(tmp_path):
+    # fp32: a bf16 engine would amplify summation-order differences at each sync
     flags = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp",
-             "--rollout-dtype", "fp32", "--rollout-staleness", "2", "--steps", "3", "--quiet", "--prompts-per-step", "4",
-             "--sft-steps", "10"]  # fp32: a bf16 engine would amplify summation-order differences at each sync
+             "--rollout-dtype", "fp32", "--rollout-staleness", "2", "--steps", "3", "--quiet",
+             "--prompts-per-step", "4", "--sft-steps", "10"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as torchrun sets it: same kernels, same rounding
     one = subprocess.run([sys.executable, "-m", "miles_mis.lab", "train", *flags, "--out-dir", str(tmp_path / "cp1")],
                          capture_output=True, text=True, timeout=300, env=env)
@@ -353,7 +354,8 @@ def test_wandb_offline_run_holds_what_metrics_jsonl_holds_and_the_config(tmp_pat
     assert "mis_rs_token_atv_masked_token_fraction" in rows[-1]
     run_config = wandb_reader.config(log)
     assert run_config["mis"]["tis_upper_bound"] == 1.5 and run_config["mis"]["rs_divergence"] == {"token_atv": 0.3}
-    assert run_config["use_tis"] is True and run_config["steps"] == 2 and run_config["custom_config_path"] == str(config)
+    assert (run_config["use_tis"] is True and run_config["steps"] == 2
+            and run_config["custom_config_path"] == str(config))
     assert (out_dir / "wandb_run_id").read_text().strip() == wandb_reader.run_id(log)
 
 
@@ -397,7 +399,8 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     assert [r["_step"] for r in wandb_reader.history(fresh)] == [1]
 
 
-# ---------------------------------------------------------------- the batch gate and location metrics from the lab's flags
+# ---------------------------------------------------------------- the batch gate and location metrics from the lab's
+# flags
 PLUGIN_FLAGS = ["--use-tis", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
 
 

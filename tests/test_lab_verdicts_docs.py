@@ -14,11 +14,13 @@ def docs():
 
 
 SECTIONS = [
-    ("bf16 + fp8 weights", "| algorithm | seeds |\n|---|---|\n| standard | 4 |\n\n- bypass ends below standard", "f8.png"),
+    ("bf16 + fp8 weights", "| algorithm | seeds |\n|---|---|\n| standard | 4 |\n\n- bypass ends below standard",
+     "f8.png"),
     ("fp16", "(no runs yet)", None),
     ("fp32", "| algorithm | seeds |\n|---|---|\n| standard | 2 |", None),
     ("Mechanisms", "- a mechanism line", None),
-    ("What mismatch needs a correction", "| regime | k3 |\n|---|---|\n| fp32 | 5.88e-11 |\n\n- standard: safe", "curve.png"),
+    ("What mismatch needs a correction", "| regime | k3 |\n|---|---|\n| fp32 | 5.88e-11 |\n\n- standard: safe",
+     "curve.png"),
 ]
 ROWS = [{"machine": "AMD EPYC, 2 cores, boot aaaa"}, {"machine": "AMD EPYC, 2 cores, boot bbbb"},
         {"machine": "AMD EPYC, 2 cores, boot aaaa"}]
@@ -73,7 +75,8 @@ def test_another_first_rollout_is_said(docs):
 ])
 def test_markers_missing_doubled_or_reversed_are_an_error_naming_the_file(docs, text, found):
     with pytest.raises(ValueError, match=r"^docs/lab\.md: needs one '<!-- lab_verdicts:safe -->' and, after it, one "
-                                         r"'<!-- /lab_verdicts:safe -->' " + found.replace("(", r"\(").replace(")", r"\)")):
+                                         r"'<!-- /lab_verdicts:safe -->' "
+                                         + found.replace("(", r"\(").replace(")", r"\)")):
         docs.replace_marked(text, "safe", "body", "docs/lab.md")
 
 

@@ -124,7 +124,8 @@ def test_given_positions_are_kept():
     batch = build(lengths, positions=positions)
     assert batch.positions.tolist() == positions.tolist() and batch.positions.dtype == torch.long
     check_bucket_sums(batch, torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]))
-    assert batch.per_bucket_sum(torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]), (0, 1, 5, 9)).tolist() == [8.0, 16.0, 3.0, 4.0]
+    assert batch.per_bucket_sum(torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]), (0, 1, 5, 9)).tolist() == [8.0, 16.0, 3.0,
+                                                                                                      4.0]
 
 
 def test_bucket_edges_are_checked():

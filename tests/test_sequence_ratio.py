@@ -85,7 +85,8 @@ def test_both_sequence_presets_reject_it(preset):
 
 def test_seq_is_rs_weight_where_kept_is_the_truncated_product():
     # the preset's IS weight: min(e^{Σℓ}, 2) = 2 (e^{4.5} ≈ 90 truncated), its band widened to keep the sequence
-    config = MisConfig(**{**MisConfig.preset("seq_is_rs", use_tis=True).to_dict(), "rs_divergence": {"seq_sum_k1": WIDE}})
+    config = MisConfig(**{**MisConfig.preset("seq_is_rs", use_tis=True).to_dict(),
+                          "rs_divergence": {"seq_sum_k1": WIDE}})
     weights, masks, _ = compute_mis_weights(config, train_log_probs=[torch.tensor(TRAIN)],
                                             rollout_log_probs=[torch.tensor(ROLLOUT)], loss_masks=[torch.ones(4)])
     assert masks[0].tolist() == [1.0] * 4

@@ -1,5 +1,5 @@
-"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/correction/truncated_sampling.py, sampling_mask.py): hand
-cases, every form a host passes the masks in, bad inputs, and every CP rank against cp = 1."""
+"""The unreplayed-truncation detector and the sampling-mask sizes (miles_mis/correction/truncated_sampling.py,
+sampling_mask.py): hand cases, every form a host passes the masks in, bad inputs, and every CP rank against cp = 1."""
 
 from __future__ import annotations
 
