@@ -73,8 +73,8 @@ from .. import correction
 from ..inputs.advantages import needed as reads_advantages
 from ..config import RATIO_MAX, RATIO_MIN, MisConfig, preset_files, yaml_value
 from ..correction import staleness
-from ..inputs import pack_sequences
-from ..tensors import ops
+from ..inputs import PackedInputs, pack_sequences
+from ..tensors import PackedBatch, ops
 
 if TYPE_CHECKING:
     from .reading import CallBatch
@@ -176,11 +176,11 @@ _SUMS = ("valid", "kept", "bounded", "sequences", "kept_sequences", "sum_w", "su
 class _Prepared:
     """One call's tokens, packed once for every candidate, and its sums that no candidate changes."""
 
-    packed: Any  # plugin.PackedInputs
+    packed: PackedInputs  # the call's tokens, validated and packed as the plugin packs them
     advantages: Tensor  # [N] float32 A_t on valid tokens with an advantage, else 0 (NaN/inf advantages: 0)
     abs_advantages: Tensor  # [N] |A_t|
     sums: dict[str, float]  # valid, sequences, abs_adv, adv_tokens
-    directional: Any  # the packed batch with the advantages' signs, for the directional candidates
+    directional: PackedBatch  # the packed batch with the advantages' signs, for the directional candidates
     lags: Tensor | None = None  # [B] int64 each sequence's version lag, when the dump has every one of them
     lag_mean: float = 0.0  # their mean, as the plugin takes it from the host's list
 
