@@ -17,7 +17,7 @@ setup(
     package_data={"miles_mis.configs": ["*.yaml"], "miles_mis.analyze": ["*.json"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb", "scipy"],
+        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb", "scipy", "ruff==0.17.6"],  # ruff: the linter (ruff.toml)
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
         "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs
