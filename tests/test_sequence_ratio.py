@@ -24,24 +24,16 @@ def band_keys(band):
     return {"tis_lower_bound": band[0], "tis_upper_bound": band[1]}
 
 
-def spellings(band):
-    """Every way the config can test a sequence's ratio against ``band``: (name, MisConfig keys)."""
+def spellings(band, level="sequence"):
+    """Every way the config can test a sequence's ratio at ``level`` (sequence: the product, geometric: the mean)
+    against ``band``: (name, MisConfig keys)."""
     low, high = band
-    rs = {"use_rs": True, "rs_lower_bound": low, "rs_upper_bound": high, "tis_upper_bound": 1.0e6}
+    option = {"sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}[level]
+    unbounded = {"tis_upper_bound": 1.0e6}  # the IS weight leaves the decision to the stage under test
     return [
-        ("tis_mode: mask, sequence", dict(tis_level="sequence", tis_mode="mask", **band_keys(band))),
-        ("use_rs, sequence", dict(rs, rs_level="sequence")),
-        ("rs_divergence seq_sum_k1", dict(rs_divergence={"seq_sum_k1": [low, high]}, tis_upper_bound=1.0e6)),
-    ]
-
-
-def geometric_spellings(band):
-    low, high = band
-    rs = {"use_rs": True, "rs_lower_bound": low, "rs_upper_bound": high, "tis_upper_bound": 1.0e6}
-    return [
-        ("tis_mode: mask, geometric", dict(tis_level="geometric", tis_mode="mask", **band_keys(band))),
-        ("use_rs, geometric", dict(rs, rs_level="geometric")),
-        ("rs_divergence seq_mean_k1", dict(rs_divergence={"seq_mean_k1": [low, high]}, tis_upper_bound=1.0e6)),
+        (f"tis_mode: mask, {level}", dict(tis_level=level, tis_mode="mask", **band_keys(band))),
+        (f"use_rs, {level}", dict(use_rs=True, rs_level=level, rs_lower_bound=low, rs_upper_bound=high, **unbounded)),
+        (f"rs_divergence {option}", dict(rs_divergence={option: [low, high]}, **unbounded)),
     ]
 
 
@@ -61,7 +53,7 @@ def test_the_reproducer_by_hand():
     assert BAND[0] <= math.exp(clamped / 4) <= BAND[1] and math.exp(clamped / 4) > WIDE[0]
 
 
-@pytest.mark.parametrize("name, keys", spellings(BAND) + geometric_spellings(BAND))
+@pytest.mark.parametrize("name, keys", spellings(BAND) + spellings(BAND, "geometric"))
 def test_every_spelling_rejects_the_reproducer_in_a_band_that_excludes_its_ratio(name, keys):
     assert kept_mask(MisConfig(use_tis=True, **keys)) == [0.0] * 4, name
 
@@ -72,7 +64,7 @@ def test_every_sequence_spelling_keeps_it_where_the_band_holds_the_product(name,
     assert kept_mask(MisConfig(use_tis=True, **keys)) == [1.0] * 4, name
 
 
-@pytest.mark.parametrize("name, keys", geometric_spellings([1.5, 100.0]))
+@pytest.mark.parametrize("name, keys", spellings([1.5, 100.0], "geometric"))
 def test_every_geometric_spelling_keeps_it_where_the_band_holds_the_mean(name, keys):
     # e^{1.125} ≈ 3.08 lies in [1.5, 100]; the per-token clamped mean 0.88 would not
     assert kept_mask(MisConfig(use_tis=True, **keys)) == [1.0] * 4, name
@@ -103,7 +95,7 @@ def test_the_k1_statistic_reported_is_the_unclamped_sum_and_mean():
     assert metrics["mis_rs_token_k1_mean"][0].tolist() == [-25.0, 9.0, 9.0, 2.5]
 
 
-@pytest.mark.parametrize("name, keys", spellings(BAND) + geometric_spellings(BAND))
+@pytest.mark.parametrize("name, keys", spellings(BAND) + spellings(BAND, "geometric"))
 def test_the_packed_entry_point_gives_the_same_answer(name, keys):
     config = MisConfig(use_tis=True, **keys)
     _, mask, _ = compute_mis_weights_packed(config, train_log_probs=torch.tensor(TRAIN),
