@@ -9,7 +9,8 @@ import sys
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "miles_mis"
-SUBPACKAGES = ("analyze", "config", "correction", "hosts", "inputs", "lab", "parallel", "reference_host", "tensors")
+SUBPACKAGES = ("analyze", "centering", "cli", "config", "correction", "hosts", "inputs", "lab", "parallel",
+               "reference_host", "tensors")
 
 
 def _modules():
