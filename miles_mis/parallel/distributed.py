@@ -318,3 +318,14 @@ def all_reduce_sum(values: Tensor, group: Group) -> Tensor:
     out = values.detach().double().clone()
     dist.all_reduce(out, group=group.group)
     return out.to(values.dtype)
+
+
+def all_reduce_max(values: Tensor, group: Group) -> Tensor:
+    """The elementwise maximum of a tensor over a group (the tensor-parallel log-normaliser's shift)."""
+    if group.size == 1:
+        return values
+    import torch.distributed as dist
+
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.group)
+    return out

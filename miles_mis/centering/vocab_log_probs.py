@@ -1,0 +1,84 @@
+"""The trainer's log-probs of chosen token ids (the sampled token and the K candidates) from logits whose vocabulary
+may be split over tensor-parallel ranks, without gathering the vocabulary.
+
+Megatron's vocab-parallel layout: TP rank r holds the logits of ids [r·W, (r+1)·W) (``VocabShard.start`` = r·W), and
+columns at or beyond the true vocabulary size are padding. With x = logits / T on the real ids:
+
+    m = max_v x_v            (one all-reduce MAX over the TP group; a shift, no gradient flows through it)
+    S = Σ_v exp(x_v − m)     (one all-reduce SUM)
+    log p(id) = x_id − m − log S   (x_id from the rank that holds it: one all-reduce SUM of the selected logits)
+
+Backward needs no collective: each rank's logits get ∂/∂x_v = g_v·[v chosen] − softmax_v · Σ_chosen g, over its own
+columns (the loss is the same on every TP rank), divided by T. An id of −1 (an unused candidate slot) has log-prob 0
+and no gradient. Three all-reduces of [N] or [N, 1+K] values per call, whatever the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..parallel import distributed
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which ids this rank's logits hold: ``start`` .. ``start`` + width, of ``vocab_size`` real ids (the columns
+    beyond it are padding), and the tensor-parallel group the vocabulary is split over."""
+
+    start: int = 0
+    vocab_size: int | None = None  # None: every column of every rank is a real id (one rank: the logits' width)
+    group: distributed.Group = distributed.SINGLE
+
+
+class SelectedLogProbs(torch.autograd.Function):
+    """log p of ``ids`` [N, J] from this rank's ``logits`` [N, W] (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, shard: VocabShard, temperature: float) -> Tensor:
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        width = logits.shape[1]
+        scaled = logits.detach().to(compute) / temperature
+        if shard.vocab_size is not None:  # Megatron pads the vocabulary: padded columns are no ids
+            real = torch.arange(shard.start, shard.start + width, device=logits.device) < shard.vocab_size
+            scaled = scaled.masked_fill(~real, float("-inf"))
+        shift = distributed.all_reduce_max(scaled.amax(dim=1), shard.group)
+        exp = (scaled - shift[:, None]).exp()
+        normaliser = distributed.all_reduce_sum(exp.sum(dim=1), shard.group)
+        local = ids - shard.start
+        held = (ids >= 0) & (local >= 0) & (local < width)
+        local = local.clamp(0, max(width - 1, 0))
+        chosen = torch.where(held, scaled.gather(1, local), 0.0) if width else torch.zeros_like(ids, dtype=compute)
+        chosen = distributed.all_reduce_sum(chosen, shard.group)
+        log_probs = torch.where(ids >= 0, chosen - shift[:, None] - normaliser.log()[:, None], 0.0)
+        ctx.save_for_backward(exp, normaliser, local, held, ids >= 0)
+        ctx.temperature, ctx.logits_dtype = temperature, logits.dtype
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        exp, normaliser, local, held, used = ctx.saved_tensors
+        grad = torch.where(used, grad.to(exp.dtype), 0.0)
+        logits_grad = -(exp / normaliser[:, None]) * grad.sum(dim=1, keepdim=True)
+        logits_grad = logits_grad.scatter_add(1, local, torch.where(held, grad, 0.0))
+        return (logits_grad / ctx.temperature).to(ctx.logits_dtype), None, None, None
+
+
+def selected_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShard(),
+                       temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / T) at ``ids`` [N, J] (−1: an unused slot, log-prob 0), differentiable in ``logits``
+    [N, W] (this rank's vocabulary columns). A ValueError names what is wrong; the checks read only ``ids`` and the
+    settings, which are the same on every TP rank, so every rank raises together, before any collective."""
+    if not (temperature > 0):
+        raise ValueError(f"temperature={temperature!r}: a sampling temperature > 0")
+    if logits.ndim != 2 or ids.ndim != 2 or logits.shape[0] != ids.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} and ids {tuple(ids.shape)}: expected [N, W] and [N, J]")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids have dtype {ids.dtype}: expected int32 or int64 token ids")
+    vocab = shard.vocab_size if shard.vocab_size is not None else logits.shape[1] * shard.group.size
+    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab):
+        bad = int(ids[(ids < -1) | (ids >= vocab)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}) (-1: an unused slot)")
+    return SelectedLogProbs.apply(logits, ids.long(), shard, temperature)
