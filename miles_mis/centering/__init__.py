@@ -5,7 +5,7 @@ vocabulary gather (`vocab_log_probs`)."""
 
 from .candidates import IDS_KWARG, LOG_PROBS_KWARG, Candidates, read_candidates
 from .estimator import CenteredLoss, Weighting, centered_loss
-from .vocab_log_probs import VocabShard, selected_log_probs
+from .vocab_log_probs import VocabShard, selected_log_probs, support_log_probs
 
 __all__ = ["IDS_KWARG", "LOG_PROBS_KWARG", "Candidates", "CenteredLoss", "VocabShard", "Weighting", "centered_loss",
-           "read_candidates", "selected_log_probs"]
+           "read_candidates", "selected_log_probs", "support_log_probs"]

@@ -11,6 +11,10 @@ columns at or beyond the true vocabulary size are padding. With x = logits / T o
 Backward needs no collective: each rank's logits get ∂/∂x_v = g_v·[v chosen] − softmax_v · Σ_chosen g, over its own
 columns (the loss is the same on every TP rank), divided by T. An id of −1 (an unused candidate slot) has log-prob 0
 and no gradient. Three all-reduces of [N] or [N, 1+K] values per call, whatever the vocabulary.
+
+With truncated sampling (top-p, top-k) the engine samples from a support S_t it records; the candidates are S_t and
+the trainer's distribution is renormalised over it (``support_log_probs``): log p(id) = x_id − log Σ_{s∈S} exp(x_s),
+from the chosen logits alone (one all-reduce SUM), its gradient flowing into the chosen columns only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ class VocabShard:
     group: distributed.Group = distributed.SINGLE
 
 
+def local_columns(ids: Tensor, shard: VocabShard, width: int) -> tuple[Tensor, Tensor]:
+    """(each id's column in this rank's slice, clamped into it; whether this rank holds the id)."""
+    local = ids - shard.start
+    held = (ids >= 0) & (local >= 0) & (local < width)
+    return local.clamp(0, max(width - 1, 0)), held
+
+
 class SelectedLogProbs(torch.autograd.Function):
     """log p of ``ids`` [N, J] from this rank's ``logits`` [N, W] (see the module docstring)."""
 
@@ -47,9 +58,7 @@ class SelectedLogProbs(torch.autograd.Function):
         shift = distributed.all_reduce_max(scaled.amax(dim=1), shard.group)
         exp = (scaled - shift[:, None]).exp()
         normaliser = distributed.all_reduce_sum(exp.sum(dim=1), shard.group)
-        local = ids - shard.start
-        held = (ids >= 0) & (local >= 0) & (local < width)
-        local = local.clamp(0, max(width - 1, 0))
+        local, held = local_columns(ids, shard, width)
         chosen = torch.where(held, scaled.gather(1, local), 0.0) if width else torch.zeros_like(ids, dtype=compute)
         chosen = distributed.all_reduce_sum(chosen, shard.group)
         log_probs = torch.where(ids >= 0, chosen - shift[:, None] - normaliser.log()[:, None], 0.0)
@@ -71,6 +80,12 @@ def selected_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabSha
     """log softmax(logits / T) at ``ids`` [N, J] (−1: an unused slot, log-prob 0), differentiable in ``logits``
     [N, W] (this rank's vocabulary columns). A ValueError names what is wrong; the checks read only ``ids`` and the
     settings, which are the same on every TP rank, so every rank raises together, before any collective."""
+    _check(logits, ids, shard, temperature)
+    return SelectedLogProbs.apply(logits, ids.long(), shard, temperature)
+
+
+def _check(logits: Tensor, ids: Tensor, shard: VocabShard, temperature: float) -> None:
+    """The arguments' one-line errors (from ``ids`` and settings only: the same on every TP rank)."""
     if not (temperature > 0):
         raise ValueError(f"temperature={temperature!r}: a sampling temperature > 0")
     if logits.ndim != 2 or ids.ndim != 2 or logits.shape[0] != ids.shape[0]:
@@ -81,4 +96,38 @@ def selected_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabSha
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab):
         bad = int(ids[(ids < -1) | (ids >= vocab)][0])
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}) (-1: an unused slot)")
-    return SelectedLogProbs.apply(logits, ids.long(), shard, temperature)
+
+
+class ChosenLogits(torch.autograd.Function):
+    """x at ``ids`` [N, J] from this rank's ``logits`` [N, W] slice, summed over the TP group (each id is held by one
+    rank; −1: 0); the backward pass puts each rank's share back into its own columns, with no collective."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, shard: VocabShard) -> Tensor:
+        width = logits.shape[1]
+        local, held = local_columns(ids, shard, width)
+        chosen = torch.where(held, logits.detach().gather(1, local), 0.0)
+        ctx.save_for_backward(local, held)
+        ctx.width = width
+        return distributed.all_reduce_sum(chosen, shard.group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        local, held = ctx.saved_tensors
+        out = grad.new_zeros((grad.shape[0], ctx.width)).scatter_add(1, local, torch.where(held, grad, 0.0))
+        return out, None, None
+
+
+def support_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShard(),
+                      temperature: float = 1.0) -> Tensor:
+    """Log-probs renormalised over each row's recorded support: ``ids`` [N, 1+K] holds the sampled token in column 0
+    and the support in columns 1.. (−1: unused). Every used column's log-prob is x_id − log Σ_support exp(x_s), with
+    x = logits / T; a row without support gives 0 everywhere (and no gradient)."""
+    _check(logits, ids, shard, temperature)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    chosen = ChosenLogits.apply(logits.to(compute), ids.long(), shard) / temperature
+    in_support = ids[:, 1:] >= 0
+    normaliser = torch.logsumexp(chosen[:, 1:].masked_fill(~in_support, float("-inf")), dim=1)
+    has_support = in_support.any(dim=1, keepdim=True)
+    used = (ids >= 0) & has_support
+    return torch.where(used, chosen - torch.where(has_support[:, 0], normaliser, 0.0)[:, None], 0.0)
