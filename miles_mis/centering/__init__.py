@@ -4,8 +4,8 @@ token and the candidates (`estimator`); the trainer's log-probs of those ids fro
 vocabulary gather (`vocab_log_probs`)."""
 
 from .candidates import IDS_KWARG, LOG_PROBS_KWARG, Candidates, read_candidates
-from .estimator import CenteredLoss, Weighting, centered_loss
+from .estimator import CenteredLoss, Weighting, centered_loss, centered_loss_from_logits
 from .vocab_log_probs import VocabShard, selected_log_probs, support_log_probs
 
 __all__ = ["IDS_KWARG", "LOG_PROBS_KWARG", "Candidates", "CenteredLoss", "VocabShard", "Weighting", "centered_loss",
-           "read_candidates", "selected_log_probs", "support_log_probs"]
+           "centered_loss_from_logits", "read_candidates", "selected_log_probs", "support_log_probs"]

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .candidates import Candidates
+from .vocab_log_probs import VocabShard, selected_log_probs, support_log_probs
+
 TAIL_FLOOR = 1.0e-6  # ε: the tails' floor in ρ (a head holding all the mass on either side)
 MODES = ("none", "tis", "mis")
 
@@ -114,3 +117,29 @@ def centered_loss(train_log_probs: Tensor, rollout_log_probs: Tensor, train_cand
     token_loss = -advantage * (weight * sampled - correction)
     return CenteredLoss(token_loss, correction.detach(), train_mass, rollout_mass,
                         torch.where(trains, tail_ratio, 0.0), weight)
+
+
+def centered_loss_from_logits(logits: Tensor, rows: Tensor, tokens: Tensor, candidates: Candidates,
+                              rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                              weighting: Weighting = Weighting(), shard: VocabShard = VocabShard(),
+                              temperature: float = 1.0, support: bool = False) -> CenteredLoss:
+    """``centered_loss`` with the trainer's log-probs taken from this rank's logits [T, W] (its vocabulary slice),
+    where response token n is scored by logits row ``rows[n]`` ([N], distinct) and ``tokens`` [N] are the sampled ids.
+    The ids are laid on the logits' own rows (−1 on the rows that score no response token), so no [N, W] copy of the
+    logits is made. ``support``: the candidates are the sampled support and p is renormalised over it
+    (``support_log_probs``; a trained token sampled outside its support is a ValueError); otherwise p is the full
+    softmax (``selected_log_probs``)."""
+    if support:
+        outside = ~(candidates.ids == tokens.long()[:, None]).any(dim=1) & (loss_mask != 0)
+        if bool(outside.any()):
+            n = int(outside.nonzero()[0])
+            raise ValueError(f"response token {n}: the sampled token {int(tokens[n])} is not in its recorded support "
+                             f"{candidates.ids[n][candidates.used[n]].tolist()}: in support mode the engine samples "
+                             "from the support it records")
+    chosen = torch.cat([tokens.long()[:, None], candidates.ids], dim=1)
+    on_rows = torch.full((logits.shape[0], chosen.shape[1]), -1, dtype=torch.long, device=chosen.device)
+    on_rows = on_rows.index_copy(0, rows.long(), chosen)
+    log_probs = (support_log_probs if support else selected_log_probs)(logits, on_rows, shard, temperature)
+    log_probs = log_probs.index_select(0, rows.long())
+    return centered_loss(log_probs[:, 0], rollout_log_probs, log_probs[:, 1:], candidates.log_probs, candidates.used,
+                         advantages, loss_mask, weighting)
