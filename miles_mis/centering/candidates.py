@@ -49,11 +49,6 @@ class Candidates:
         return self.ids.shape[1]
 
 
-def given(kwargs: dict[str, Any]) -> bool:
-    """The host passed candidates (either field: a lone one is an error of ``read_candidates``)."""
-    return kwargs.get(IDS_KWARG) is not None or kwargs.get(LOG_PROBS_KWARG) is not None
-
-
 def read_candidates(ids: Any, log_probs: Any, response_lengths: Sequence[int],
                     local_positions: Tensor | None = None) -> Candidates:
     """The candidates of the local tokens from the host's per-sample [response_length, K] tensors (or one flat
@@ -121,7 +116,7 @@ def _check_rows(ids: Tensor, log_probs: Tensor, lengths: list[int]) -> None:
     heavy = mass > 1.0 + MASS_TOLERANCE
     if not bool(bad_slot.any() | repeated.any() | heavy.any()):
         return
-    token = int(torch.cat([bad_slot.any(1), repeated.any(1), heavy]).view(3, -1).any(0).nonzero()[0])
+    token = int((bad_slot.any(1) | repeated.any(1) | heavy).nonzero()[0])
     i = int(torch.searchsorted(torch.tensor(lengths).cumsum(0), token, right=True))
     at = f"sequence {i}, response token {token - sum(lengths[:i])}"
     if bool(bad_slot[token].any()):

@@ -48,14 +48,14 @@ class Weighting:
             raise ValueError(f"score_centering_mis_low={self.mis_low!r}, score_centering_mis_high={self.mis_high!r} "
                              "are invalid: finite, with 0 < low <= high")
 
-    def head_terms(self, train_log_probs: Tensor, rollout_log_probs: Tensor) -> Tensor:
-        """q · f(p / q) per candidate, from log p and log q (0 where q = 0 under tis: min(p, c·q))."""
-        p, q = train_log_probs.exp(), rollout_log_probs.exp()
+    def head_terms(self, p: Tensor, q: Tensor, log_ratio: Tensor) -> Tensor:
+        """q · f(p / q) per candidate, from p, q and log(p / q) (the band compared in log space; 0 where q = 0
+        under tis: min(p, c·q))."""
         if self.mode == "none":
             return q
         if self.mode == "tis":
             return torch.minimum(p, self.tis_clip * q)
-        return torch.where(self._in_band(train_log_probs - rollout_log_probs), p, 0.0)
+        return torch.where(self._in_band(log_ratio), p, 0.0)
 
     def tail_scale(self, tail_ratio: Tensor) -> Tensor:
         """α = ρ · f(1/ρ): ρ (none), min(c·ρ, 1) (tis), 1 if 1/hi ≤ ρ ≤ 1/lo else 0 (mis)."""
@@ -103,12 +103,11 @@ def centered_loss(train_log_probs: Tensor, rollout_log_probs: Tensor, train_cand
     with torch.no_grad():
         log_p = train_head.detach()
         log_q = torch.where(head, rollout_candidate_log_probs, 0.0)
-        p = torch.where(head, log_p.exp(), 0.0)
-        train_mass = p.sum(dim=1)
-        rollout_mass = torch.where(head, log_q.exp(), 0.0).sum(dim=1)
+        p, q = torch.where(head, log_p.exp(), 0.0), torch.where(head, log_q.exp(), 0.0)
+        train_mass, rollout_mass = p.sum(dim=1), q.sum(dim=1)
         tail_ratio = (1.0 - rollout_mass).clamp(min=TAIL_FLOOR) / (1.0 - train_mass).clamp(min=TAIL_FLOOR)
-        coefficients = torch.where(head, weighting.head_terms(log_p, log_q) - weighting.tail_scale(tail_ratio)[:, None]
-                                   * p, 0.0)
+        head_terms = weighting.head_terms(p, q, log_p - log_q)
+        coefficients = torch.where(head, head_terms - weighting.tail_scale(tail_ratio)[:, None] * p, 0.0)
         log_ratio = torch.where(trains, train_log_probs.detach() - rollout_log_probs, 0.0)
         weight = torch.where(trains, weighting.sampled_weight(log_ratio), 0.0)
         advantage = torch.where(trains, advantages.detach(), 0.0)

@@ -44,58 +44,22 @@ def local_columns(ids: Tensor, shard: VocabShard, width: int) -> tuple[Tensor, T
     return local.clamp(0, max(width - 1, 0)), held
 
 
-class SelectedLogProbs(torch.autograd.Function):
-    """log p of ``ids`` [N, J] from this rank's ``logits`` [N, W] (see the module docstring)."""
+class LogNormaliser(torch.autograd.Function):
+    """log Σ_v exp(x_v) over the whole vocabulary from this rank's slice ``x`` [N, W] (one all-reduce MAX, one SUM);
+    the backward pass gives each rank's slice softmax · g, with no collective."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, ids: Tensor, shard: VocabShard, temperature: float) -> Tensor:
-        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        width = logits.shape[1]
-        scaled = logits.detach().to(compute) / temperature
-        if shard.vocab_size is not None:  # Megatron pads the vocabulary: padded columns are no ids
-            real = torch.arange(shard.start, shard.start + width, device=logits.device) < shard.vocab_size
-            scaled = scaled.masked_fill(~real, float("-inf"))
-        shift = distributed.all_reduce_max(scaled.amax(dim=1), shard.group)
-        exp = (scaled - shift[:, None]).exp()
-        normaliser = distributed.all_reduce_sum(exp.sum(dim=1), shard.group)
-        local, held = local_columns(ids, shard, width)
-        chosen = torch.where(held, scaled.gather(1, local), 0.0) if width else torch.zeros_like(ids, dtype=compute)
-        chosen = distributed.all_reduce_sum(chosen, shard.group)
-        log_probs = torch.where(ids >= 0, chosen - shift[:, None] - normaliser.log()[:, None], 0.0)
-        ctx.save_for_backward(exp, normaliser, local, held, ids >= 0)
-        ctx.temperature, ctx.logits_dtype = temperature, logits.dtype
-        return log_probs
+    def forward(ctx, scaled: Tensor, group: distributed.Group) -> Tensor:
+        shift = distributed.all_reduce_max(scaled.detach().amax(dim=1), group)
+        exp = (scaled.detach() - shift[:, None]).exp()
+        normaliser = distributed.all_reduce_sum(exp.sum(dim=1), group)
+        ctx.save_for_backward(exp.div_(normaliser[:, None]))
+        return shift + normaliser.log()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        exp, normaliser, local, held, used = ctx.saved_tensors
-        grad = torch.where(used, grad.to(exp.dtype), 0.0)
-        logits_grad = -(exp / normaliser[:, None]) * grad.sum(dim=1, keepdim=True)
-        logits_grad = logits_grad.scatter_add(1, local, torch.where(held, grad, 0.0))
-        return (logits_grad / ctx.temperature).to(ctx.logits_dtype), None, None, None
-
-
-def selected_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShard(),
-                       temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / T) at ``ids`` [N, J] (−1: an unused slot, log-prob 0), differentiable in ``logits``
-    [N, W] (this rank's vocabulary columns). A ValueError names what is wrong; the checks read only ``ids`` and the
-    settings, which are the same on every TP rank, so every rank raises together, before any collective."""
-    _check(logits, ids, shard, temperature)
-    return SelectedLogProbs.apply(logits, ids.long(), shard, temperature)
-
-
-def _check(logits: Tensor, ids: Tensor, shard: VocabShard, temperature: float) -> None:
-    """The arguments' one-line errors (from ``ids`` and settings only: the same on every TP rank)."""
-    if not (temperature > 0):
-        raise ValueError(f"temperature={temperature!r}: a sampling temperature > 0")
-    if logits.ndim != 2 or ids.ndim != 2 or logits.shape[0] != ids.shape[0]:
-        raise ValueError(f"logits {tuple(logits.shape)} and ids {tuple(ids.shape)}: expected [N, W] and [N, J]")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids have dtype {ids.dtype}: expected int32 or int64 token ids")
-    vocab = shard.vocab_size if shard.vocab_size is not None else logits.shape[1] * shard.group.size
-    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab):
-        bad = int(ids[(ids < -1) | (ids >= vocab)][0])
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}) (-1: an unused slot)")
+        (softmax,) = ctx.saved_tensors
+        return softmax * grad[:, None], None
 
 
 class ChosenLogits(torch.autograd.Function):
@@ -114,8 +78,42 @@ class ChosenLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         local, held = ctx.saved_tensors
-        out = grad.new_zeros((grad.shape[0], ctx.width)).scatter_add(1, local, torch.where(held, grad, 0.0))
+        out = grad.new_zeros((grad.shape[0], ctx.width)).scatter_add_(1, local, torch.where(held, grad, 0.0))
         return out, None, None
+
+
+def selected_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShard(),
+                       temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / T) at ``ids`` [N, J] (−1: an unused slot, log-prob 0), differentiable in ``logits``
+    [N, W] (this rank's vocabulary columns). A ValueError names what is wrong; the checks read only ``ids`` and the
+    settings, which are the same on every TP rank, so every rank raises together, before any collective."""
+    _check(logits, ids, shard, temperature)
+    scaled = _scaled(logits, temperature)
+    if shard.vocab_size is not None:  # Megatron pads the vocabulary: padded columns are no ids
+        columns = torch.arange(shard.start, shard.start + logits.shape[1], device=logits.device)
+        scaled = scaled.masked_fill(columns >= shard.vocab_size, float("-inf"))
+    chosen = ChosenLogits.apply(scaled, ids.long(), shard)
+    return torch.where(ids >= 0, chosen - LogNormaliser.apply(scaled, shard.group)[:, None], 0.0)
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T in float32 (float64 logits stay float64)."""
+    return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature
+
+
+def _check(logits: Tensor, ids: Tensor, shard: VocabShard, temperature: float) -> None:
+    """The arguments' one-line errors (from ``ids`` and settings only: the same on every TP rank)."""
+    if not (temperature > 0):
+        raise ValueError(f"temperature={temperature!r}: a sampling temperature > 0")
+    if logits.ndim != 2 or ids.ndim != 2 or logits.shape[0] != ids.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} and ids {tuple(ids.shape)}: expected [N, W] and [N, J]")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids have dtype {ids.dtype}: expected int32 or int64 token ids")
+    vocab = shard.vocab_size if shard.vocab_size is not None else logits.shape[1] * shard.group.size
+    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab):
+        bad = int(ids[(ids < -1) | (ids >= vocab)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}) (-1: an unused slot)")
+
 
 
 def support_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShard(),
@@ -124,8 +122,7 @@ def support_log_probs(logits: Tensor, ids: Tensor, shard: VocabShard = VocabShar
     and the support in columns 1.. (−1: unused). Every used column's log-prob is x_id − log Σ_support exp(x_s), with
     x = logits / T; a row without support gives 0 everywhere (and no gradient)."""
     _check(logits, ids, shard, temperature)
-    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    chosen = ChosenLogits.apply(logits.to(compute), ids.long(), shard) / temperature
+    chosen = ChosenLogits.apply(_scaled(logits, temperature), ids.long(), shard)
     in_support = ids[:, 1:] >= 0
     normaliser = torch.logsumexp(chosen[:, 1:].masked_fill(~in_support, float("-inf")), dim=1)
     has_support = in_support.any(dim=1, keepdim=True)
