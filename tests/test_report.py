@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from miles_mis.analyze import (comparison, config_text, figures, formatting, report_files, report_json,
+from miles_mis.analyze import (comparison, figures, formatting, report_configs, report_files, report_json,
                                report_markdown, report_sentences, report_tables)
 from miles_mis.config import MisConfig
 
@@ -362,7 +362,7 @@ def test_comparison_of_equal_dumps_has_no_differences():
 
 
 def test_config_descriptions():
-    describe = config_text.describe_config
+    describe = report_configs.describe_config
     assert describe(MisConfig.preset("k3_rs", use_tis=True).to_dict()) == "truncate [0.5, 2]; reject seq_mean_k3 > 0.01"
     assert describe(MisConfig.preset("geo_rs", use_tis=True).to_dict()).endswith(
         "reject seq_mean_k1 outside [0.999, 1.001]")

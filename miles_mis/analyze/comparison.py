@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .config_text import recommendation_name
+from .report_configs import recommendation_name
 from .figures import finite_number as _finite
 from .formatting import fmt, jsonable, markdown_table, write_json
 from .report_json import to_json

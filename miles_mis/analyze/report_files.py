@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from . import figures as _figures
 from . import safe_level as _safe_level
-from .config_text import recommendation_name
+from .report_configs import recommendation_name
 from .formatting import fmt, write_json
 from .report_json import to_json
 from .report_markdown import render_markdown

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from . import safe_level as _safe_level
-from .config_text import config_dict, recommendation_name
+from .report_configs import config_dict, recommendation_name
 from .formatting import jsonable
 from .report_sentences import k3_context, trend_sentence
 

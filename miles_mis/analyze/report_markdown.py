@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from . import figures as _figures
 from . import safe_level as _safe_level
 from . import truncation as _truncation
-from .config_text import config_dict, config_yaml, describe_config, recommendation_name
+from .report_configs import config_dict, config_yaml, describe_config, recommendation_name
 from .figures import finite_number as _finite
 from .formatting import fmt, markdown_table
 from .report_sentences import attribution_sentence, k3_context, size_line, trend_sentence, warning_lines
