@@ -11,6 +11,7 @@ from .flags import (COMMAND_LINE_ONLY, FLAG_RANGES, LOSS_DENOMINATORS, MIS_SET_E
                     validate_args)
 from .loss import (AGREED_FLAGS, LOG_RATIO_CLAMP, Reducer, call_packed, host_config_text, mask_sums, opsm_keep,
                    optional_kwargs_taken, policy_loss, ppo_clip_loss, safe_ratio, sample_denominators, vanilla_tis)
+from .score_centering import score_centering_loss
 
 __all__ = [
     "AGREED_FLAGS", "COMMAND_LINE_ONLY", "FLAG_RANGES", "LOG_RATIO_CLAMP", "LOSS_DENOMINATORS", "MIS_SET_EXAMPLES",
@@ -20,3 +21,4 @@ __all__ = [
     "parse_mis_set", "policy_loss", "ppo_clip_loss", "safe_ratio", "sample_denominators", "validate_args",
     "vanilla_tis",
 ]
+__all__ += ["score_centering_loss"]
