@@ -195,3 +195,14 @@ def test_bad_weightings_are_one_line_errors(keys, start):
     with pytest.raises(ValueError) as error:
         Weighting(**keys)
     assert str(error.value).startswith(start)
+
+
+def test_the_mis_tail_band_includes_its_edges_as_miles_compares_them():
+    """ρ = 1.25 = 1/lo exactly (p = 0.5, q = 0.375, lo = 0.8): α = 1, as miles' ρ-space test gives; a test in log
+    space rounds log 1.25 and -log 0.8 apart and dropped it (α = 0, loss 0)."""
+    log = lambda x: torch.tensor([[math.log(x)]], dtype=torch.float64)  # noqa: E731
+    out = centered_loss(log(0.5)[0], log(0.375)[0], log(0.5), log(0.375), torch.tensor([[True]]),
+                        torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0]),
+                        Weighting("mis", mis_low=0.8, mis_high=1.25))
+    assert float(out.tail_ratio[0]) == 1.25
+    assert float(out.token_loss[0]) == pytest.approx(-0.5 * math.log(0.5), rel=1e-15)

@@ -258,6 +258,11 @@ VALID_SETTINGS = [
     ("rs_max_lag", {"rs_max_lag": 2}, "rs_max_lag: 2"),
     ("rs_max_lag_k3", {"rs_max_lag": 0, "rs_max_lag_k3": "1e-3"}, "rs_max_lag: 0\nrs_max_lag_k3: 1e-3"),
     ("kernel_backend", {"kernel_backend": "compiled"}, "kernel_backend: compiled"),
+    ("score_centering", {"score_centering": True}, "score_centering: true"),
+    ("score_centering_is", {"score_centering_is": "mis"}, "score_centering_is: mis"),
+    ("score_centering_tis_clip", {"score_centering_tis_clip": "1e-1"}, "score_centering_tis_clip: 1e-1"),
+    ("score_centering_mis_low", {"score_centering_mis_low": 5}, "score_centering_mis_low: 5"),  # = high: one value
+    ("score_centering_mis_high", {"score_centering_mis_high": 100}, "score_centering_mis_high: 100"),
 ]
 INVALID_SETTINGS = [
     ("use_tis", {"use_tis": "yes"}, "use_tis: 'yes'"),
@@ -300,6 +305,11 @@ INVALID_SETTINGS = [
     ("rs_max_lag_k3", {"rs_max_lag_k3": 0.01}, "rs_max_lag_k3: 0.01"),  # without rs_max_lag
     ("rs_max_lag_k3", {"rs_max_lag": 1, "rs_max_lag_k3": 0}, "rs_max_lag: 1\nrs_max_lag_k3: 0"),
     ("kernel_backend", {"kernel_backend": "inductor"}, "kernel_backend: inductor"),
+    ("score_centering", {"score_centering": "on"}, "score_centering: 'on'"),
+    ("score_centering_is", {"score_centering_is": "icepop"}, "score_centering_is: icepop"),
+    ("score_centering_tis_clip", {"score_centering_tis_clip": 0}, "score_centering_tis_clip: 0"),
+    ("score_centering_mis_low", {"score_centering_mis_low": 6}, "score_centering_mis_low: 6"),  # above high (5)
+    ("score_centering_mis_high", {"score_centering_mis_high": float("inf")}, "score_centering_mis_high: .inf"),
 ]
 
 

@@ -63,7 +63,9 @@ class Weighting:
             return tail_ratio
         if self.mode == "tis":
             return (self.tis_clip * tail_ratio).clamp(max=1.0)
-        return self._in_band(-tail_ratio.log()).to(tail_ratio.dtype)
+        # ρ compared with 1/hi and 1/lo directly (not log ρ with log lo, log hi): at the band's edges the two
+        # roundings differ by an ulp, and miles compares ρ
+        return ((tail_ratio >= 1.0 / self.mis_high) & (tail_ratio <= 1.0 / self.mis_low)).to(tail_ratio.dtype)
 
     def sampled_weight(self, log_ratio: Tensor) -> Tensor:
         """w = f(p_y / q_y) from log(p_y / q_y): 1 (none), min(r, c) (tis), r on [lo, hi] else 0 (mis)."""
@@ -123,9 +125,9 @@ def centered_loss_from_logits(logits: Tensor, rows: Tensor, tokens: Tensor, cand
                               weighting: Weighting = Weighting(), shard: VocabShard = VocabShard(),
                               temperature: float = 1.0, support: bool = False) -> CenteredLoss:
     """``centered_loss`` with the trainer's log-probs taken from this rank's logits [T, W] (its vocabulary slice),
-    where response token n is scored by logits row ``rows[n]`` ([N], distinct) and ``tokens`` [N] are the sampled ids.
-    The ids are laid on the logits' own rows (−1 on the rows that score no response token), so no [N, W] copy of the
-    logits is made. ``support``: the candidates are the sampled support and p is renormalised over it
+    where response token n is scored by logits row ``rows[n]`` ([N]) and ``tokens`` [N] are the sampled ids. The
+    response rows are selected before the softmax, so the rows that score no response token (prompts, padding) cost
+    nothing and get no gradient. ``support``: the candidates are the sampled support and p is renormalised over it
     (``support_log_probs``; a trained token sampled outside its support is a ValueError); otherwise p is the full
     softmax (``selected_log_probs``)."""
     if support:
@@ -136,9 +138,8 @@ def centered_loss_from_logits(logits: Tensor, rows: Tensor, tokens: Tensor, cand
                              f"{candidates.ids[n][candidates.used[n]].tolist()}: in support mode the engine samples "
                              "from the support it records")
     chosen = torch.cat([tokens.long()[:, None], candidates.ids], dim=1)
-    on_rows = torch.full((logits.shape[0], chosen.shape[1]), -1, dtype=torch.long, device=chosen.device)
-    on_rows = on_rows.index_copy(0, rows.long(), chosen)
-    log_probs = (support_log_probs if support else selected_log_probs)(logits, on_rows, shard, temperature)
-    log_probs = log_probs.index_select(0, rows.long())
+    # the response rows first: the softmax's float32 copies and saved probabilities are then [N, W], not [T, W]
+    response_logits = logits.index_select(0, rows.long())
+    log_probs = (support_log_probs if support else selected_log_probs)(response_logits, chosen, shard, temperature)
     return centered_loss(log_probs[:, 0], rollout_log_probs, log_probs[:, 1:], candidates.log_probs, candidates.used,
                          advantages, loss_mask, weighting)

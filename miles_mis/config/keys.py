@@ -16,6 +16,7 @@ from .yaml_io import yaml_value
 LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "clip", "mask", "icepop")
 NORMALIZE_SCOPES = ("micro_batch", "dp")
+SCORE_CENTERING_WEIGHTINGS = ("none", "tis", "mis")  # f of score centering (miles' --score-centering-is)
 TIS_POLICIES = ("old", "current")  # the policy the weights compare with π_rollout: π_old or π_θ
 AUTO = "auto"  # tis_upper_bound: auto (miles_mis.correction.adaptive)
 # what rs_batch_gate may test (miles_mis.correction.gate computes them)
@@ -409,6 +410,20 @@ KEY_SPECS = (
             "variable `MILES_MIS_BACKEND`, else eager ([performance](performance.md#the-compiled-backend))",
             choices=_backend.BACKENDS, parser=_as_backend, allowed="null, eager, compiled",
             shown_default="`MILES_MIS_BACKEND`, else eager"),
+    KeySpec("score_centering", "bool", False, "score centering ([score centering](score_centering.md)): the "
+            "loss subtracts the expected score under the engine, from its recorded top-K candidates; runs only "
+            "in the `custom_loss` adapters (`miles_mis.hosts.miles_loss.policy_loss`, `...slime_loss.policy_loss`), "
+            "which need the logits; the hook refuses it"),
+    KeySpec("score_centering_is", "choice", "none", "f, the importance weighting score centering composes with: "
+            "`none` f ≡ 1, `tis` min(r, `score_centering_tis_clip`), `mis` r inside [`score_centering_mis_low`, "
+            "`score_centering_mis_high`], 0 outside (miles' `--score-centering-is`)",
+            choices=SCORE_CENTERING_WEIGHTINGS),
+    KeySpec("score_centering_tis_clip", "fraction", 2.0, "c of `score_centering_is: tis`", maximum=math.inf,
+            allowed="number > 0"),
+    KeySpec("score_centering_mis_low", "fraction", 0.5, "lo of `score_centering_is: mis`", maximum=math.inf,
+            allowed="number > 0, ≤ `score_centering_mis_high`"),
+    KeySpec("score_centering_mis_high", "fraction", 5.0, "hi of `score_centering_is: mis`", maximum=math.inf,
+            allowed="number > 0"),
 )
 KEY_NAMES = tuple(spec.name for spec in KEY_SPECS)
 KEYS_BY_NAME = {spec.name: spec for spec in KEY_SPECS}
@@ -418,7 +433,8 @@ PARSE_ORDER = ("use_tis", "use_rs", "tis_batch_normalize", "tis_level", "rs_leve
                "tis_batch_normalize_scope", "tis_bounds", "rs_divergence", "rs_batch_gate", "rs_batch_gate_scope",
                "metrics_low_prob_threshold", "rs_veto_threshold", "tis_auto_target_ess", "tis_auto_bounds",
                "tis_auto_scope", "tis_policy", "tis_upper_bound_by_lag", "rs_max_lag", "rs_max_lag_k3",
-               "kernel_backend")
+               "kernel_backend", "score_centering", "score_centering_is", "score_centering_tis_clip",
+               "score_centering_mis_low", "score_centering_mis_high")
 # The bounds tis_bounds sets: giving one of them with tis_bounds is an error, even at its default's value.
 ALIASED_BOUNDS = ("tis_lower_bound", "tis_upper_bound")
 ADAPTIVE_KEYS = tuple(name for name in KEY_NAMES if name.startswith("tis_auto_"))

@@ -75,6 +75,10 @@ class MisConfig:
         else:
             _resolve_fixed_bounds(values)
         _check_lag_keys(values)
+        if values["score_centering_mis_low"] > values["score_centering_mis_high"]:
+            raise ValueError(f"score_centering_mis_low={values['score_centering_mis_low']!r} is larger than "
+                             f"score_centering_mis_high={values['score_centering_mis_high']!r}: allowed values are "
+                             "0 < low <= high")
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen
         # the TIS upper bound's shape, resolved once (not a key: derived from tis_upper_bound and its companions)

@@ -24,6 +24,7 @@ from ..inputs import advantages, rollouts, sampling_mask
 from ..inputs.batch_channel import BATCH_INPUTS, Deferred
 from ..correction import staleness
 from ..config import MisConfig, host_setting
+from .score_centering import score_centering_loss
 
 ENTRY_POINT = "miles_mis.compute_mis_weights_with_cp"  # the hook the host's loss calls
 OUR_ENTRY_POINTS = (ENTRY_POINT, "miles_mis.compute_mis_weights_fsdp", "miles_mis.plugin.compute_mis_weights_with_cp",
@@ -62,7 +63,13 @@ def host_loss_module(host: Host) -> Any:
 def policy_loss(host: Host, args: Any, batch: Mapping[str, Any], logits: torch.Tensor,
                 sum_of_sample_mean: Callable) -> tuple[torch.Tensor, dict]:
     """``host``'s policy loss of one micro-batch with miles_mis's correction (``--use-tis``) or its metrics
-    (``--get-mismatch-metrics``), the correction given what the batch holds. Returns the host's (loss, log)."""
+    (``--get-mismatch-metrics``), the correction given what the batch holds; with ``score_centering: true`` the
+    score-centered loss instead (``hosts.score_centering``), which needs the logits the hook never sees. Returns
+    the host's (loss, log)."""
+    if host_setting(args, "score_centering") not in (None, False):  # a YAML value: MisConfig checks it
+        config = MisConfig.from_args(args)
+        if config.score_centering:
+            return score_centering_loss(config, args, batch, logits, sum_of_sample_mean, host_parallel_state(host))
     module = host_loss_module(host)
     if not (host_setting(args, "use_tis") or host_setting(args, "get_mismatch_metrics")):
         return module.policy_loss_function(args, batch, logits, sum_of_sample_mean)
@@ -73,6 +80,13 @@ def policy_loss(host: Host, args: Any, batch: Mapping[str, Any], logits: torch.T
             inputs["cur_log_probs"] = scope.enter_context(_host_log_probs(host, module))
         scope.enter_context(BATCH_INPUTS.sending(inputs))
         return module.policy_loss_function(_with_entry_point(host, args), batch, logits, sum_of_sample_mean)
+
+
+def host_parallel_state(host: Host) -> Any:
+    """The host's parallel state (``.cp``, ``.tp`` groups) as its loss module reads it (miles' loss module imports
+    ``get_parallel_state``); None where the module has none (slime: Megatron-core's groups are read instead)."""
+    get_parallel_state = getattr(host_loss_module(host), "get_parallel_state", None)
+    return get_parallel_state() if callable(get_parallel_state) else None
 
 
 @contextlib.contextmanager

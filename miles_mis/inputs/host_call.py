@@ -77,6 +77,7 @@ def read_lists(args: Any, lists: LogProbLists, kwargs: Mapping[str, Any], *, cp:
     ``single_process_entry`` names an entry point without a data-parallel group, which refuses the dp scopes."""
     given = BATCH_INPUTS.received(kwargs)
     config = MisConfig.from_args(args)
+    refuse_score_centering(config)
     if single_process_entry is not None:
         refuse_dp_scopes(config, single_process_entry)
     qkv_format = qkv_format or qkv_format_of(args)
@@ -95,6 +96,7 @@ def read_flat(args: Any, train_log_probs: Tensor, rollout_log_probs: Tensor, los
     """The call of the packed entry point: flat [N] tensors and [B+1] offsets of whole sequences."""
     given = BATCH_INPUTS.received(kwargs)
     config = MisConfig.from_args(args)
+    refuse_score_centering(config)
     refuse_dp_scopes(config, single_process_entry)
     train_log_probs, train_name = numerator_log_probs(config, given, train_log_probs, flat=True)
     batch = pack_flat(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, train_name=train_name)
@@ -160,6 +162,15 @@ def full_mask_sums(packed: PackedInputs) -> Tensor:
     sample = torch.repeat_interleave(lengths, output_size=packed.full_masks.numel())
     return torch.zeros(lengths.numel(), dtype=torch.float64, device=lengths.device).index_add_(
         0, sample, packed.full_masks.double())
+
+
+def refuse_score_centering(config: MisConfig) -> None:
+    """Score centering needs the logits, which the hook never receives: it runs in the custom-loss adapters."""
+    if config.score_centering:
+        raise ValueError("score_centering: true runs in the custom-loss adapters, which receive the logits "
+                         "(--loss-type custom_loss --custom-loss-function-path "
+                         "miles_mis.hosts.miles_loss.policy_loss or miles_mis.hosts.slime_loss.policy_loss); "
+                         "the --custom-tis-function-path hook cannot run it")
 
 
 def refuse_dp_scopes(config: MisConfig, entry: str) -> None:

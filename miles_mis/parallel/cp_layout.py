@@ -86,3 +86,33 @@ def zigzag_layout(total_lengths: Tensor, response_lengths: Tensor, cp_rank: int,
     start0, len0 = part(cp_rank)
     start1, len1 = part(2 * cp_size - 1 - cp_rank)
     return LocalLayout(start0, len0, start1, len1)
+
+
+def logits_rows(total_lengths: Tensor, response_lengths: Tensor, cp_rank: int, cp_size: int,
+                qkv_format: str = "thd", max_seq_lens: Tensor | None = None) -> Tensor:
+    """The rows of this rank's logits (the host's [1, T, V] or [B, S, V], flattened to [rows, V]) that score its local
+    response tokens, in ``zigzag_layout``'s local order (the order of the CP-sharded log-probs).
+
+    Sample i's rows begin at base_i = Σ_{j<i} T_j (thd, C = 1), i·S (bshd, C = 1) or Σ_{j<i} 2·chunk_j (C > 1: a rank
+    holds two chunks of ``chunk = ceil(L / 2C)`` rows of every sample, chunk r then chunk 2C−1−r). The log-prob at
+    position p (scoring token p+1; the response's are P−1 … T−2) sits at row base_i + p (C = 1), base_i + p − r·chunk
+    (chunk r) or base_i + chunk + p − (2C−1−r)·chunk (chunk 2C−1−r).
+    """
+    if qkv_format == "bshd" and max_seq_lens is None:
+        raise ValueError("max_seq_lens is required when qkv_format is 'bshd'")
+    layout = zigzag_layout(total_lengths, response_lengths, cp_rank, cp_size, qkv_format, max_seq_lens)
+    total_lengths, response_lengths = total_lengths.long(), response_lengths.long()
+    first = total_lengths - response_lengths - 1  # log-prob position of the first response token
+    if cp_size == 1:
+        spans = max_seq_lens.long() if qkv_format == "bshd" else total_lengths
+        base = torch.cumsum(spans, 0) - spans
+        start0, start1 = base + first, base  # the second part is empty
+    else:
+        span = max_seq_lens.long() if qkv_format == "bshd" else total_lengths
+        chunk = (span + 2 * cp_size - 1) // (2 * cp_size)
+        base = torch.cumsum(2 * chunk, 0) - 2 * chunk
+        start0 = base + first + layout.start0 - cp_rank * chunk
+        start1 = base + chunk + first + layout.start1 - (2 * cp_size - 1 - cp_rank) * chunk
+    part_starts = torch.stack([start0, start1], 1).reshape(-1)
+    part_lengths = torch.stack([layout.len0, layout.len1], 1).reshape(-1)
+    return ranges(part_starts, part_lengths)

@@ -93,6 +93,18 @@ def resolve_cp_group(parallel_state: Any = None) -> Group:
                  mpu.get_context_parallel_group())
 
 
+def resolve_tp_group(parallel_state: Any = None) -> Group:
+    """The tensor-parallel group (the ranks holding slices of the vocabulary): ``tp`` of the host's parallel state,
+    else Megatron-core's tensor-model-parallel group, else size 1."""
+    if parallel_state is not None and getattr(parallel_state, "tp", None) is not None:
+        return _group_info(parallel_state.tp, "tp")
+    mpu = _megatron()
+    if mpu is None or mpu.get_tensor_model_parallel_world_size() <= 1:
+        return SINGLE
+    return Group(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+                 mpu.get_tensor_model_parallel_group())
+
+
 def resolve_dp_group(parallel_state: Any = None) -> Group:
     """The data-parallel group (without CP): ``effective_dp``/``intra_dp``/``dp`` of the host's
     parallel state, else Megatron-core's data-parallel group, else size 1."""
