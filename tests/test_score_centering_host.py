@@ -274,3 +274,24 @@ def test_score_centering_false_is_the_hosts_own_loss():
     with installed(double):
         _, log = policy_loss(MILES, args, batch, logits, reduce)
     assert "mis_sc_correction" not in log and "pg_clipfrac" in log
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+@pytest.mark.parametrize("weighting", ["none", "tis", "mis"])
+def test_the_adapter_equals_the_reference_hosts_oracle(weighting, fmt):
+    """miles_mis.reference_host.score_centering_loss, written one token at a time from miles' source (no code shared
+    with miles_mis.centering): the same loss, gradient and sc_* metrics under miles' names."""
+    from miles_mis.reference_host import score_centering_loss as oracle
+
+    batch, full_logits, logits, _ = prepared(9, fmt=fmt)
+    loss, log = run_adapter(batch, logits, weighting, Double("miles"))
+    (grad,) = torch.autograd.grad(loss, full_logits, retain_graph=True)  # the oracle reads the same logits
+    args = host_args(score_centering_is=weighting, qkv_format=fmt, rollout_temperature=1.0, **WEIGHTINGS[weighting])
+    reduce = Double("miles").reducer(args, batch["total_lengths"], batch["response_lengths"], batch["loss_masks"],
+                                     None, False, batch["max_seq_lens"])
+    want, want_log = oracle(args, batch, logits, reduce)
+    (want_grad,) = torch.autograd.grad(want, full_logits)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    assert torch.allclose(grad.double(), want_grad.double(), atol=1e-6)
+    for name in ("correction", "train_head_mass", "rollout_head_mass", "tail_ratio", "importance_weight"):
+        assert float(log[f"mis_sc_{name}"]) == pytest.approx(float(want_log[f"sc_{name}"]), rel=1e-5, abs=1e-6), name
