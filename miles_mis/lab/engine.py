@@ -9,6 +9,12 @@ trainer's float32 router; the engine records its choices for router replay. Samp
 (top-k, top-p), and the engine reports either the log-probs of the full temperature-scaled distribution
 (what SGLang and vLLM return by default) or those of the truncated distribution it actually sampled from.
 A synthetic Gaussian logit noise can be added for stress tests; it is labelled synthetic wherever it appears.
+
+With ``top_logprobs_num`` K > 0 (``--rollout-top-logprobs-num``) the engine also records each response token's
+score-centering candidates (``last_candidates``): the K most likely tokens of the distribution whose log-probs it
+reports, with those log-probs, exactly as the vLLM engine's (vllm_engine.py): under ``full`` the temperature-scaled
+distribution, under ``processed`` with top-k/top-p the truncated one, whose candidates are its support ("support
+mode"; a support larger than K is an error, :func:`support_overflow`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..centering.candidates import UNUSED_ID
 from .kept_set import KeptSets, truncation_keep
 from .model import TinyGPT, choose_experts, mix_experts
 from .task import EOS
@@ -43,6 +50,34 @@ def quantize_fp8(weight: Tensor) -> Tensor:
     return (weight / scale).to(torch.float8_e4m3fn).float() * scale
 
 
+def check_top_logprobs_num(k: int) -> None:
+    """Refuse a negative ``--rollout-top-logprobs-num`` (one line)."""
+    if k < 0:
+        raise ValueError(f"--rollout-top-logprobs-num {k} is invalid: allowed values are >= 0 (0 = no candidates "
+                         "recorded)")
+
+
+def candidate_slots(ids: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Ranked entries [N, M] (M <= K) -> the candidate tensors [N, K] score centering reads (int64 ids, float32
+    log-probs): an entry with a finite log-prob is a used slot, any other (-inf: outside a truncated distribution's
+    support) and the K - M padding slots are unused (``UNUSED_ID``, -inf)."""
+    used = torch.isfinite(log_probs)
+    ids = torch.where(used, ids.long(), UNUSED_ID)
+    log_probs = torch.where(used, log_probs.float(), -math.inf)
+    pad = (0, k - ids.shape[1])
+    return F.pad(ids, pad, value=UNUSED_ID), F.pad(log_probs, pad, value=-math.inf)
+
+
+def support_overflow(k: int, overflowing: int, tokens: int, top_k: int, vocab_size: int) -> str:
+    """The one-line error of support mode when ``overflowing`` of ``tokens`` response tokens were sampled from a kept
+    set larger than K: it names the K that fits every step (top-k's k, else the vocabulary)."""
+    bound = (f"{min(top_k, vocab_size)}, --rollout-top-k" if top_k > 0 else
+             f"{vocab_size}, the vocabulary: top-p alone bounds no kept set")
+    return (f"--rollout-top-logprobs-num {k}: {overflowing} of {tokens} response tokens were sampled from a "
+            f"top-k/top-p kept set of more than {k} tokens, which {k} candidates cannot hold (with processed "
+            f"log-probs the candidates are the kept set); allowed values here are >= {bound}")
+
+
 def truncate_distribution(probs: Tensor, top_k: int, top_p: float) -> Tensor:
     """The sampling distribution after top-k then top-p truncation (kept_set.truncation_keep), renormalised
     ([N, V] -> [N, V])."""
@@ -55,7 +90,7 @@ def truncate_distribution(probs: Tensor, top_k: int, top_p: float) -> Tensor:
 class RolloutEngine:
     def __init__(self, model: TinyGPT, dtype: str = "bf16", weight_quant: str = "none",
                  temperature: float = 1.0, logit_noise: float = 0.0, seed: int = 0, top_k: int = 0,
-                 top_p: float = 1.0, logprob_source: str = "full"):
+                 top_p: float = 1.0, logprob_source: str = "full", top_logprobs_num: int = 0):
         if dtype not in DTYPES:
             raise ValueError(f"--rollout-dtype={dtype!r} is invalid: allowed values are {', '.join(DTYPES)}")
         if weight_quant not in WEIGHT_QUANTS:
@@ -69,6 +104,9 @@ class RolloutEngine:
         if logprob_source not in LOGPROB_SOURCES:
             raise ValueError(f"--rollout-logprob-source={logprob_source!r} is invalid: allowed values are "
                              f"{', '.join(LOGPROB_SOURCES)}")
+        check_top_logprobs_num(top_logprobs_num)
+        self.top_logprobs_num = top_logprobs_num
+        self.last_candidates: list[tuple[Tensor, Tensor]] | None = None  # per response (ids, log-probs) [R, K]
         self.cfg = model.cfg
         self.dtype = DTYPES[dtype]
         self.weight_quant = weight_quant
@@ -142,13 +180,16 @@ class RolloutEngine:
         the sampled tokens under softmax(logits / T) (``logprob_source`` full) or under the truncated
         distribution sampled from (processed). The sets sampled from (top-k/top-p) are in ``last_kept``. A MoE
         engine's expert choices of the last call are in
-        ``last_routing``: per response, [n_layers, prompt_len + len − 1, k] (every position it ran)."""
+        ``last_routing``: per response, [n_layers, prompt_len + len − 1, k] (every position it ran). With
+        ``top_logprobs_num`` K > 0, ``last_candidates``: per response (ids [len, K] int64, log-probs [len, K]
+        float32), the K most likely tokens of the reported distribution in decreasing order (unused slots -1 /
+        -inf: past its support, or past the vocabulary); else None."""
         count, prompt_len = prompts.shape
         cache = [{} for _ in range(self.cfg.n_layers)]
         for position in range(prompt_len - 1):
             self._step(prompts[:, position], position, cache)
         current = prompts[:, -1]
-        tokens, log_probs, keeps = [], [], []
+        tokens, log_probs, keeps, ranked = [], [], [], []
         truncating = self.top_k > 0 or self.top_p < 1.0
         done = torch.zeros(count, dtype=torch.bool)
         lengths = torch.full((count,), max_new_tokens)
@@ -164,6 +205,8 @@ class RolloutEngine:
             tokens.append(current)
             reported = step_log_probs if self.logprob_source == "full" else sampling.log()
             log_probs.append(reported.gather(1, current[:, None]).squeeze(1))
+            if self.top_logprobs_num:  # [count, requested]: values, ids, in decreasing order
+                ranked.append(reported.topk(self._requested(truncating), dim=-1))
             finished_now = (current == EOS) & ~done
             lengths = torch.where(finished_now, torch.full_like(lengths, step + 1), lengths)
             done |= current == EOS
@@ -176,8 +219,33 @@ class RolloutEngine:
             keep = torch.stack(keeps, 1)  # [count, steps, V]
             self.last_kept = [KeptSets.from_mask(keep[i, :int(lengths[i])], tokens[i, :int(lengths[i])])
                               for i in range(count)]
+        self.last_candidates = self._candidates(ranked, lengths, truncating) if self.top_logprobs_num else None
         self.last_routing = None
         if self.cfg.moe_experts:  # [n_layers, count, positions run, k] -> per response, the positions it used
             routing = torch.stack([torch.stack(layer_cache["choices"], 1) for layer_cache in cache])
             self.last_routing = [routing[:, i, :prompt_len - 1 + int(lengths[i])] for i in range(count)]
         return ([tokens[i, :lengths[i]] for i in range(count)], [log_probs[i, :lengths[i]] for i in range(count)])
+
+    def _requested(self, truncating: bool) -> int:
+        """Ranked entries per token: K, and in support mode one more, the witness that a support fits in K (finite:
+        it does not); at most the vocabulary."""
+        support_mode = self.logprob_source == "processed" and truncating
+        return min(self.top_logprobs_num + support_mode, self.cfg.vocab_size)
+
+    def _candidates(self, ranked: list, lengths: Tensor, truncating: bool) -> list[tuple[Tensor, Tensor]]:
+        """Each response's candidates from the steps' ranked (values, ids) of the reported distribution; in support
+        mode a finite witness (the K+1-th entry) at a response token is an error (:func:`support_overflow`)."""
+        k = self.top_logprobs_num
+        values = torch.stack([r.values for r in ranked], 1)  # [count, steps, requested]
+        ids = torch.stack([r.indices for r in ranked], 1)
+        count, steps, requested = values.shape
+        if requested > k:  # support mode with K < V
+            in_response = torch.arange(steps) < lengths[:, None]  # the steps after a response's EOS are not its own
+            overflowing = torch.isfinite(values[..., k]) & in_response
+            if bool(overflowing.any()):
+                raise ValueError(support_overflow(k, int(overflowing.sum()), int(lengths.sum()), self.top_k,
+                                                  self.cfg.vocab_size))
+        ids, values = candidate_slots(ids[..., :k].reshape(count * steps, -1),
+                                      values[..., :k].reshape(count * steps, -1), k)
+        ids, values = ids.view(count, steps, k), values.view(count, steps, k)
+        return [(ids[i, :int(n)], values[i, :int(n)]) for i, n in enumerate(lengths)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import reference_host
 from . import kept_set, smollm_policy, task, tiny_policy
-from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
+from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS, check_top_logprobs_num
 from .policy import MODELS
 
 ENGINES = ("embedded", "vllm")
@@ -102,6 +102,12 @@ def add_engine_flags(group, training: bool = True) -> None:
     group.add_argument("--rollout-logprob-source", choices=LOGPROB_SOURCES, default="full",
                        help="log-probs the engine reports: of the full temperature-scaled distribution (what SGLang "
                             "and vLLM return by default) or of the truncated one it sampled from")
+    # training only: the candidates feed score centering's loss
+    steering.add_argument("--rollout-top-logprobs-num", type=int, default=0, metavar="K",
+                          help="the engine records each response token's K most likely tokens and their log-probs "
+                               "(miles' rollout_topk_token_ids / rollout_topk_log_probs, for score centering), in the "
+                               "distribution whose log-probs it reports; with top-k/top-p and --rollout-logprob-source "
+                               "processed they are the kept set, which must fit in K (0 = none recorded)")
     group.add_argument("--sampling-mask", choices=kept_set.MODES, default="off",
                        help="with top-k/top-p: the trainer scores π_old and π_θ over each token's kept set (fixed for "
                             "the batch): the engine's own (embedded engine) or the same truncation recomputed on the "
@@ -177,6 +183,7 @@ def check_lab_args(args: argparse.Namespace) -> None:
     if args.rollout_top_k < 0 or not 0.0 < args.rollout_top_p <= 1.0:
         raise ValueError(f"--rollout-top-k {args.rollout_top_k} --rollout-top-p {args.rollout_top_p}: allowed values "
                          "are --rollout-top-k >= 0 (0 = off) and --rollout-top-p in (0, 1] (1 = off)")
+    check_top_logprobs_num(args.rollout_top_logprobs_num)  # both engines record candidates: no engine refusal
     check_sampling_mask(args)
     check_decode_term(args)
     (tiny_policy if args.model == "tiny" else smollm_policy).check_args(args)

