@@ -66,6 +66,8 @@ RATIO_MASK = {"token_k1": [0.430065, 2.325227]}
 # prime-rl's default loss: REINFORCE weighted by the raw π_θ/μ (no truncation: e^20) and the directional TV mask
 PRIME_RL = {"tis_policy": "current", "tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 485165195.4,
             "rs_divergence": {"token_dtv": [-0.2, 0.2]}}
+# score centering reads the engine's top-K candidates (K = 20, vLLM's default cap on returned log-probs)
+SC_FLAGS = ["--get-mismatch-metrics", "--rollout-top-logprobs-num", "20"]
 ALGORITHMS = {  # name -> (host flags, mis.yaml)
     "standard": (["--get-mismatch-metrics"], {}),
     "bypass": (["--use-rollout-logprobs", "--get-mismatch-metrics"], {}),
@@ -88,7 +90,16 @@ ALGORITHMS = {  # name -> (host flags, mis.yaml)
     # no clip at all (ε = 1000: r never leaves [1 − ε, 1 + ε]): the PPO loss is then r·A, the policy gradient
     # importance-weighted by π_θ/μ, so nothing is blocked; the dose-response end of the clip hypothesis
     "bypass_no_clip": (["--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "1000"], {}),
+    # IcePop: decoupled PPO with the token weights masked outside [0.5, 5] (the MIS band score centering pairs with)
+    "icepop": (["--use-tis"], {"tis_level": "token", "tis_mode": "icepop", "tis_lower_bound": 0.5,
+                               "tis_upper_bound": 5.0}),
+    # score centering (docs/score_centering.md): the engine's top-20 candidates, the loss through the adapters' code
+    "sc": (SC_FLAGS, {"score_centering": True, "score_centering_is": "none"}),
+    "sc_tis": (SC_FLAGS, {"score_centering": True, "score_centering_is": "tis", "score_centering_tis_clip": 2.0}),
+    "sc_mis": (SC_FLAGS, {"score_centering": True, "score_centering_is": "mis", "score_centering_mis_low": 0.5,
+                          "score_centering_mis_high": 5.0}),
 }
+SCORE_CENTERING = ("icepop", "sc", "sc_tis", "sc_mis")
 CURVE = ("standard", "bypass", "decoupled_tis")  # the regimes that only place a point on the safe-mismatch curve
 CORRECTIONS = ("decoupled_tis", "seq_mis", "ratio_mask", "prime_rl", "auto_bound", "batch_gate", "lag_bound",
                "fixed_drop", "lag_gate")
@@ -97,8 +108,8 @@ COMMON = ("standard", "bypass", "decoupled_tis", "seq_mis", "ratio_mask", "prime
 ASYNC = ("lag_bound", "fixed_drop", "lag_gate")
 REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before any row of it is measured)
     "bf16 + fp8 weights": (["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"],
-                           COMMON + ("dppo_ppo", "bypass_wide_clip", "standard_wide_clip", "bypass_no_clip"), 4,
-                           15.0),
+                           COMMON + ("dppo_ppo", "bypass_wide_clip", "standard_wide_clip", "bypass_no_clip")
+                           + SCORE_CENTERING, 4, 15.0),
     "async lags 0..2": (["--rollout-dtype", "bf16", "--async-max-lag", "2"], COMMON + ASYNC, 4, 5.0),
     "bf16": (["--rollout-dtype", "bf16"], COMMON, 2, 5.0),
     "bf16, top-p 0.9 processed": (["--rollout-dtype", "bf16", "--rollout-top-p", "0.9",
@@ -112,7 +123,8 @@ SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_l
           "pg_clipfrac", "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess",
           "mis_is_ratio_mean_final", "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction",
           "removed_abs_advantage", "abs_advantage", "removed_positive_advantage", "mis_rs_stale_seq_fraction",
-          "mis_rs_divergence_masked_token_fraction")
+          "mis_rs_divergence_masked_token_fraction", "truncated_fraction", "mis_sc_tail_ratio", "mis_sc_correction",
+          "mis_sc_train_head_mass", "mis_sc_rollout_head_mass", "mis_sc_importance_weight")
 
 
 def cells(regimes, seeds: int | None = None, only=None):

@@ -143,6 +143,19 @@ def right_padded(sequences: list[Tensor]) -> Tensor:
     return padded
 
 
+def padded_logits(model: TinyGPT, sequences: list[Tensor], routing: list[Tensor] | None = None) -> Tensor:
+    """The fp32 logits [B, L_max, V] of the right-padded sequences, the engine's expert choices replayed (``routing``
+    as in ``sequence_log_probs``)."""
+    padded = right_padded(sequences)
+    replay = None
+    if routing is not None:
+        layers, _, top_k = routing[0].shape
+        replay = torch.full((layers, *padded.shape, top_k), NO_CHOICE, dtype=torch.long)
+        for i, choices in enumerate(routing):
+            replay[:, i, :choices.shape[1]] = choices
+    return model(padded, replay).float()
+
+
 def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: list[int],
                        temperature: float, routing: list[Tensor] | None = None, kept: list | None = None,
                        recompute: tuple[int, float] | None = None) -> list[Tensor] | tuple[list[Tensor], list]:
@@ -155,14 +168,7 @@ def sequence_log_probs(model: TinyGPT, sequences: list[Tensor], prompt_lengths: 
     to score over instead of the whole vocabulary; ``recompute`` (top-k, top-p): also return the trainer's own sets
     of the response tokens, (log-probs over them, sets).
     """
-    padded = right_padded(sequences)
-    replay = None
-    if routing is not None:
-        layers, _, top_k = routing[0].shape
-        replay = torch.full((layers, *padded.shape, top_k), NO_CHOICE, dtype=torch.long)
-        for i, choices in enumerate(routing):
-            replay[:, i, :choices.shape[1]] = choices
-    logits = model(padded, replay).float() / temperature
+    logits = padded_logits(model, sequences, routing) / temperature
     if kept is None and recompute is None:
         log_probs = torch.log_softmax(logits, dim=-1)
         return [log_probs[i, p - 1:s.numel() - 1].gather(1, s[p:, None]).squeeze(1)

@@ -39,6 +39,14 @@ def raw_mismatch(old_log_probs: list[torch.Tensor], rollout_log_probs: list[torc
             "raw_ratio_mean": float(ratio.mean())}
 
 
+def truncated_fraction(responses: list[torch.Tensor], max_new_tokens: int, stop_token_ids=()) -> float:
+    """The share of responses the budget cut: ``max_new_tokens`` long and not ending in a stop token (a model without
+    stop tokens, the tiny one: every full-length response)."""
+    stops = set(int(t) for t in stop_token_ids)
+    cut = [r.numel() >= max_new_tokens and not (r.numel() and int(r[-1]) in stops) for r in responses]
+    return sum(cut) / max(len(cut), 1)
+
+
 @dataclass
 class Rollout:
     """One step's rollout batch: the engine's samples, their rewards and π_old (the trainer's recompute)."""
@@ -84,6 +92,8 @@ def collect_rollout(run: Any, args: argparse.Namespace, step: int) -> tuple[Roll
         "step": step + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "exact_match": float((rewards == 1.0).float().mean()),
         "response_length": sum(rollout.response_lengths) / len(responses),
+        "truncated_fraction": truncated_fraction(responses, run.policy.max_new_tokens,
+                                                 getattr(run.policy, "stop_token_ids", ())),
         **raw_mismatch(old_log_probs, rollout_log_probs),  # every algorithm: π_old (trainer) vs π_rollout
     }
     at_versions = _scored_at_versions(run, step, rollout, versions)

@@ -118,7 +118,8 @@ class SmolLMPolicy:
         a = self.args
         return vllm_engine.VllmEngine(self.model, a.rollout_dtype, a.rollout_weight_quant, a.rollout_temperature,
                                       seed=a.seed + 1, top_k=a.rollout_top_k, top_p=a.rollout_top_p,
-                                      logprob_source=a.rollout_logprob_source, max_batch=batch, served=served)
+                                      logprob_source=a.rollout_logprob_source, max_batch=batch, served=served,
+                                      top_logprobs_num=getattr(a, "rollout_top_logprobs_num", 0))
 
     # ------------------------------------------------------------------ task
     def prompt_tokens(self, question: str) -> Tensor:
@@ -178,6 +179,20 @@ class SmolLMPolicy:
             trunk = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
         normed = self.model.head_from(trunk, self.frozen_layers)
         return self._response_log_probs(normed, sequences, prompt_lengths, kept)
+
+    def response_logits(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
+                        features: Any = None) -> list[Tensor]:
+        """Per sequence, the trainer's raw logits z = normed · Eᵀ at the positions that score its response tokens
+        ([response_length, V], differentiable; not divided by T): what score centering reads."""
+        if features is None:
+            trunk = self.model.trunk(right_padded(sequences), self.frozen_layers)
+        else:
+            trunk = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
+        normed = self.model.head_from(trunk, self.frozen_layers)
+        rows = torch.cat([torch.full((s.numel() - p,), i) for i, (s, p) in enumerate(zip(sequences, prompt_lengths))])
+        cols = torch.cat([torch.arange(p - 1, s.numel() - 1) for s, p in zip(sequences, prompt_lengths)])
+        logits = normed[rows, cols] @ self.model.model.embed_tokens.weight.t()
+        return list(logits.split([s.numel() - p for s, p in zip(sequences, prompt_lengths)]))
 
     def select_features(self, features: Any, indices: list[int]) -> Any:
         return None if features is None else [features[i] for i in indices]

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import task, vllm_engine
 from .engine import RolloutEngine
-from .model import ModelConfig, TinyGPT, sequence_log_probs
+from .model import ModelConfig, TinyGPT, padded_logits, sequence_log_probs
 from .prompts import Prompts
 
 
@@ -40,10 +40,12 @@ def make_tiny_engine(args: argparse.Namespace, model: TinyGPT):
                                       seed=args.seed + 1,
                                       top_k=args.rollout_top_k, top_p=args.rollout_top_p,
                                       logprob_source=args.rollout_logprob_source,
-                                      max_batch=args.prompts_per_step * args.group_size)
+                                      max_batch=args.prompts_per_step * args.group_size,
+                                      top_logprobs_num=getattr(args, "rollout_top_logprobs_num", 0))
     return RolloutEngine(model, args.rollout_dtype, args.rollout_weight_quant, args.rollout_temperature,
                          args.rollout_logit_noise, seed=args.seed + 1, top_k=args.rollout_top_k,
-                         top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source)
+                         top_p=args.rollout_top_p, logprob_source=args.rollout_logprob_source,
+                         top_logprobs_num=getattr(args, "rollout_top_logprobs_num", 0))
 
 
 class TinyPolicy:
@@ -96,6 +98,13 @@ class TinyPolicy:
                   features: Any = None, kept: list | None = None) -> list[Tensor]:
         return sequence_log_probs(self.model, sequences, prompt_lengths, self.args.rollout_temperature, routing,
                                   kept)
+
+    def response_logits(self, sequences: list[Tensor], prompt_lengths: list[int], routing: list[Tensor] | None = None,
+                        features: Any = None) -> list[Tensor]:
+        """Per sequence, the raw logits at the positions that score its response tokens ([response_length, V],
+        differentiable; not divided by T): what score centering reads."""
+        logits = padded_logits(self.model, sequences, routing)
+        return [logits[i, p - 1:s.numel() - 1] for i, (s, p) in enumerate(zip(sequences, prompt_lengths))]
 
     def select_features(self, features: Any, indices: list[int]) -> Any:
         return None

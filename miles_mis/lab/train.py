@@ -25,7 +25,7 @@ import torch
 
 from .. import reference_host
 from ..parallel.cp_layout import zigzag_layout
-from . import flags, schedule
+from . import centering_loss, flags, schedule
 from .dump import PolicyLossDumper, policy_loss_record
 from .policy import make_policy
 from .rollout_collection import Rollout, collect_rollout
@@ -76,6 +76,9 @@ class LabRun:
 
 def start_run(args: argparse.Namespace) -> LabRun:
     """The model (warm-started unless resuming), optimizer, rollout engine and prompt stream; a resumed run's state."""
+    if centering_loss.enabled(args) and args.context_parallel_size > 1:
+        raise ValueError("score_centering: true with --context-parallel-size > 1: the lab's score centering is"
+                         " single-process (the adapters' CP layout is tested on gloo): use --context-parallel-size 1")
     cp = CPContext(args.context_parallel_size)
     # before the warm start: a fresh run into a directory holding another run's dumps fails at once
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
@@ -188,6 +191,9 @@ def optimize(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout)
 def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Rollout,
                    idx: list[int]) -> tuple[dict[str, float], float]:
     """One optimizer step on the sequences ``idx``: (the host's metrics summed over the CP group, grad norm)."""
+    if centering_loss.enabled(args):  # the score-centered loss replaces the host's policy loss
+        loss, metrics = centering_loss.policy_loss(run.policy, args, rollout, idx)
+        return {k: _scalar(v) for k, v in metrics.items()}, _optimizer_step(run, loss, len(idx), args.grad_clip)
     cp, totals = run.cp, [rollout.total_lengths[i] for i in idx]
     resp = [rollout.response_lengths[i] for i in idx]
     routing = None if rollout.routing is None else [rollout.routing[i] for i in idx]
@@ -208,19 +214,26 @@ def minibatch_step(run: LabRun, args: argparse.Namespace, step: int, rollout: Ro
     current = shard(current_full)
     loss, metrics = reference_host.policy_loss(args, batch, current, parallel_state=cp.state)
     run.dumper.call(step + 1, lambda: policy_loss_record(args, batch, current, shard(batch["loss_masks"])))
-    run.optimizer.zero_grad()
-    (loss / len(idx)).backward()  # the host returns a sum over sequences
-    trained = run.policy.parameters()
-    for p in trained:
-        if p.grad is not None:
-            cp.all_reduce(p.grad)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trained, args.grad_clip)
-    run.optimizer.step()
+    grad_norm = _optimizer_step(run, loss, len(idx), args.grad_clip)
     values = torch.tensor([_scalar(v) for v in metrics.values()], dtype=torch.float64)
     if cp.size > 1:  # per-batch fractions are the same on every rank; the rest are partial sums
         partial = torch.tensor([k != "opsm_fraction" for k in metrics], dtype=torch.float64)
         values = cp.all_reduce(values * partial) + values * (1 - partial)
-    return dict(zip(metrics, values.tolist())), float(grad_norm)
+    return dict(zip(metrics, values.tolist())), grad_norm
+
+
+def _optimizer_step(run: LabRun, loss: torch.Tensor, num_samples: int, grad_clip: float) -> float:
+    """Backward of the host's loss (a sum over the samples: divided by their number), the gradients summed over the
+    CP group, clipped to ``grad_clip``; one optimizer step. Returns the gradient norm before clipping."""
+    run.optimizer.zero_grad()
+    (loss / num_samples).backward()
+    trained = run.policy.parameters()
+    for p in trained:
+        if p.grad is not None:
+            run.cp.all_reduce(p.grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
+    run.optimizer.step()
+    return float(grad_norm)
 
 
 # --------------------------------------------------------------------------- pieces
