@@ -24,6 +24,19 @@ def test_group_versions_of_the_two_schedules():
     # groups of 2 at lags 0, 1, 2, 0, ... (never before version 0)
     assert schedule.group_versions(5, 8, 2, 1, 2) == [5, 5, 4, 4, 3, 3, 5, 5]
     assert schedule.group_versions(1, 6, 2, 1, 2) == [1, 1, 0, 0, 0, 0]
+    # one-step-off: the whole batch one version behind (version 0 at the first step)
+    assert schedule.group_versions(5, 4, 2, 1, 0, rollout_lag=1) == [4] * 4
+    assert schedule.group_versions(0, 4, 2, 1, 0, rollout_lag=1) == [0] * 4
+    assert schedule.group_versions(5, 4, 2, 1, 0, rollout_lag=3) == [2] * 4
+
+
+def test_a_one_step_off_run_trains_on_batches_one_version_old(tmp_path):
+    """--rollout-lag 1: from the second step every sample is one version behind; the first step's has no older
+    version (lag 0). The staleness part is then nonzero, and a synchronous fp32 run's is exactly zero."""
+    history = run(tmp_path, "lag1", "--rollout-lag", "1", "--rollout-dtype", "fp32", "--lr", "3e-3", steps=4)
+    assert [row["mean_lag"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert history[0]["stale_k3"] == 0.0 and all(row["stale_k3"] > 0 for row in history[1:])
+    assert all(row["lag_1_token_fraction"] == 1.0 for row in history[1:])
 
 
 def test_the_decomposition_is_exact_where_staleness_is_zero_by_construction(tmp_path):
@@ -107,7 +120,12 @@ def test_dumps_carry_the_lag_and_the_analyzer_reports_by_lag(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--async-max-lag", "2", "--rollout-staleness", "2"], "not both schedules at once"),
     (["--async-max-lag", "-1"], "allowed values are --async-max-lag >= 0"),
-    (["--async-max-lag", "1", "--moe-experts", "4"], "--async-max-lag is not available with --moe-experts"),
+    (["--async-max-lag", "1", "--moe-experts", "4"],
+     "--async-max-lag and --rollout-lag are not available with --moe-experts"),
+    (["--rollout-lag", "1", "--moe-experts", "4"], "--async-max-lag and --rollout-lag are not available"),
+    (["--rollout-lag", "-1"], "--rollout-lag -1: allowed values are >= 0"),
+    (["--rollout-lag", "1", "--async-max-lag", "1"], "not with --async-max-lag or --rollout-staleness > 1"),
+    (["--rollout-lag", "1", "--rollout-staleness", "2"], "not with --async-max-lag or --rollout-staleness > 1"),
 ])
 def test_refusals(flags, message):
     with pytest.raises(ValueError, match=message):

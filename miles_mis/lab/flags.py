@@ -123,6 +123,10 @@ def add_engine_flags(group, training: bool = True) -> None:
                           help="a fully asynchronous buffer: prompt group g of a batch was generated g mod (M+1) "
                                "weight versions ago, so every batch mixes the lags 0..M (0 = off; not with "
                                "--rollout-staleness > 1)")
+    steering.add_argument("--rollout-lag", type=int, default=0, metavar="L",
+                          help="every batch generated exactly L weight versions ago, at version max(t − L, 0): "
+                               "one-step-off asynchronous RL at L = 1 (0 = off; not with --rollout-staleness > 1 or "
+                               "--async-max-lag)")
     # a training step's decomposition of its mismatch (measure has --batch-term)
     steering.add_argument("--decode-term", action="store_true",
                           help="--engine vllm, raw log-probs: after each generate call the engine scores the same "
@@ -170,9 +174,12 @@ def check_lab_args(args: argparse.Namespace) -> None:
     if args.async_max_lag < 0 or (args.async_max_lag and args.rollout_staleness > 1):
         raise ValueError(f"--async-max-lag {args.async_max_lag} --rollout-staleness {args.rollout_staleness}: allowed "
                          "values are --async-max-lag >= 0, and not both schedules at once (one of them > 1 / > 0)")
-    if args.async_max_lag and args.moe_experts:
-        raise ValueError("--async-max-lag is not available with --moe-experts: the engine's expert choices are "
-                         "recorded per generate call, and a mixed batch takes one call per version")
+    if args.rollout_lag < 0 or (args.rollout_lag and (args.async_max_lag or args.rollout_staleness > 1)):
+        raise ValueError(f"--rollout-lag {args.rollout_lag}: allowed values are >= 0, and not with --async-max-lag or "
+                         "--rollout-staleness > 1 (one schedule at a time)")
+    if (args.async_max_lag or args.rollout_lag) and args.moe_experts:
+        raise ValueError("--async-max-lag and --rollout-lag are not available with --moe-experts: the engine's expert "
+                         "choices are recorded per generate call, and a mixed batch takes one call per version")
     if args.dump_interval < 1:
         raise ValueError(f"--dump-interval must be >= 1, got {args.dump_interval}")
     if args.moe_experts < 0 or (args.moe_experts and not 1 <= args.moe_top_k <= args.moe_experts):

@@ -5,7 +5,9 @@ The trainer's version at RL step t is t (its weights after t steps). Two schedul
 - ``--rollout-staleness K``: the engine is synced every K steps, so the whole batch of step t comes from version
   t − (t mod K) (``train_async.py``-like staleness; K = 1 is synchronous RL);
 - ``--async-max-lag M``: a fully asynchronous buffer (miles' ``--fully-async``): prompt group g of step t was
-  generated at version max(t − (g mod (M+1)), 0), so every batch mixes the lags 0..M.
+  generated at version max(t − (g mod (M+1)), 0), so every batch mixes the lags 0..M;
+- ``--rollout-lag L``: the whole batch of step t comes from version max(t − L, 0) (one-step-off asynchronous RL
+  at L = 1: the engine generates the next batch while the trainer trains on this one).
 
 The trainer keeps its weights at every version still in use (``Snapshots``), so it can score a sample with the
 weights that generated it, π_trainer(v), and split the measured log ratio ℓ = log π_old − log π_rollout into
@@ -31,8 +33,10 @@ from ..correction.staleness import BUCKETS, bucket_of  # 0, 1, 2, 3plus: the plu
 
 
 def group_versions(step: int, num_samples: int, group_size: int, rollout_staleness: int,
-                   async_max_lag: int) -> list[int]:
+                   async_max_lag: int, rollout_lag: int = 0) -> list[int]:
     """The weight version that generated each sample of step ``step`` (group members share one)."""
+    if rollout_lag:
+        return [max(step - rollout_lag, 0)] * num_samples
     if async_max_lag:
         return [max(step - (i // group_size) % (async_max_lag + 1), 0) for i in range(num_samples)]
     return [step - step % rollout_staleness] * num_samples

@@ -84,7 +84,8 @@ def start_run(args: argparse.Namespace) -> LabRun:
     dumper = PolicyLossDumper(args.dump_details, cp.rank, args.dump_interval, resume=args.resume)
     policy = make_policy(args)  # seeded from --seed; the tiny model warm-started unless resuming
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    keep = max(args.rollout_staleness, args.async_max_lag + 1)  # the versions a batch can come from
+    # the versions a batch can come from
+    keep = max(args.rollout_staleness, args.async_max_lag + 1, getattr(args, "rollout_lag", 0) + 1)
     run = LabRun(policy, optimizer, policy.make_engine(), torch.Generator().manual_seed(args.seed + 2), cp, dumper,
                  schedule.Snapshots(keep))
     checkpoint_path = Path(args.out_dir) / "checkpoint.pt"
