@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..centering.candidates import UNUSED_ID
+from .candidates import candidate_slots, check_top_logprobs_num, support_overflow
 from .kept_set import KeptSets, truncation_keep
 from .model import TinyGPT, choose_experts, mix_experts
 from .task import EOS
@@ -48,34 +48,6 @@ def quantize_fp8(weight: Tensor) -> Tensor:
     error of at most 2⁻⁴ for normal values (plus the subnormal floor, 2⁻⁹·s absolute)."""
     scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     return (weight / scale).to(torch.float8_e4m3fn).float() * scale
-
-
-def check_top_logprobs_num(k: int) -> None:
-    """Refuse a negative ``--rollout-top-logprobs-num`` (one line)."""
-    if k < 0:
-        raise ValueError(f"--rollout-top-logprobs-num {k} is invalid: allowed values are >= 0 (0 = no candidates "
-                         "recorded)")
-
-
-def candidate_slots(ids: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Ranked entries [N, M] (M <= K) -> the candidate tensors [N, K] score centering reads (int64 ids, float32
-    log-probs): an entry with a finite log-prob is a used slot, any other (-inf: outside a truncated distribution's
-    support) and the K - M padding slots are unused (``UNUSED_ID``, -inf)."""
-    used = torch.isfinite(log_probs)
-    ids = torch.where(used, ids.long(), UNUSED_ID)
-    log_probs = torch.where(used, log_probs.float(), -math.inf)
-    pad = (0, k - ids.shape[1])
-    return F.pad(ids, pad, value=UNUSED_ID), F.pad(log_probs, pad, value=-math.inf)
-
-
-def support_overflow(k: int, overflowing: int, tokens: int, top_k: int, vocab_size: int) -> str:
-    """The one-line error of support mode when ``overflowing`` of ``tokens`` response tokens were sampled from a kept
-    set larger than K: it names the K that fits every step (top-k's k, else the vocabulary)."""
-    bound = (f"{min(top_k, vocab_size)}, --rollout-top-k" if top_k > 0 else
-             f"{vocab_size}, the vocabulary: top-p alone bounds no kept set")
-    return (f"--rollout-top-logprobs-num {k}: {overflowing} of {tokens} response tokens were sampled from a "
-            f"top-k/top-p kept set of more than {k} tokens, which {k} candidates cannot hold (with processed "
-            f"log-probs the candidates are the kept set); allowed values here are >= {bound}")
 
 
 def truncate_distribution(probs: Tensor, top_k: int, top_p: float) -> Tensor:

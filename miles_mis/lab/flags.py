@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .. import reference_host
 from . import kept_set, smollm_policy, task, tiny_policy
-from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS, check_top_logprobs_num
+from .candidates import check_top_logprobs_num
+from .engine import LOGPROB_SOURCES, WEIGHT_QUANTS
 from .policy import MODELS
 
 ENGINES = ("embedded", "vllm")

@@ -44,7 +44,6 @@ import argparse
 import atexit
 import contextlib
 import importlib.util
-import itertools
 import os
 import random
 import shutil
@@ -58,7 +57,7 @@ import torch
 from torch import Tensor
 
 from . import task
-from .engine import candidate_slots, check_top_logprobs_num, support_overflow
+from .candidates import candidates_of, check_top_logprobs_num
 from .fp8_gemm import emulated_scaled_mm
 from .model import TinyGPT
 
@@ -414,33 +413,3 @@ def _responses(outputs) -> tuple[list[Tensor], list[Tensor]]:
         log_probs.append(torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)],
                                       dtype=torch.float32))
     return responses, log_probs
-
-
-def candidates_of(outputs, k: int, requested: int, top_k: int, vocab_size: int) -> list[tuple[Tensor, Tensor]]:
-    """Each finished request's candidates: (ids [R, K] int64, log-probs [R, K] float32), the ranks 1..K vLLM
-    returned for each of its R response tokens in rank order, unused slots -1 / -inf.
-
-    The requests were sent with ``logprobs=requested`` and ``flat_logprobs=True``, so each token's entries lie in one
-    flat list in the sampler's order (``Sampler.gather_logprobs``, ``append_logprobs_for_next_position``): the sampled
-    token with its own rank (which may exceed K: it is not a candidate then), then the top ``requested`` by rank 1, 2,
-    ... — read here as one [Σ R, requested + 1] table, no loop over tokens. An entry whose log-prob is -inf (processed
-    log-probs outside the top-k/top-p kept set) is an unused slot. ``requested`` = K + 1 (support mode, K below the
-    vocabulary): the K+1-th entry witnesses a kept set larger than K, a ValueError counting the tokens it hit
-    (:func:`~miles_mis.lab.engine.support_overflow`: ``top_k`` and ``vocab_size`` name the K that holds every kept
-    set). ``requested`` < K (K above the vocabulary): the slots past it are unused."""
-    flats = [output.outputs[0].logprobs for output in outputs]
-    lengths = [len(flat) for flat in flats]
-    width = requested + 1
-    ids = torch.tensor(list(itertools.chain.from_iterable(flat.token_ids for flat in flats)), dtype=torch.long)
-    log_probs = torch.tensor(list(itertools.chain.from_iterable(flat.logprobs for flat in flats)), dtype=torch.float32)
-    ranks = torch.tensor(list(itertools.chain.from_iterable(flat.ranks for flat in flats)), dtype=torch.long)
-    if ids.numel() != width * sum(lengths) or not bool((ranks.view(-1, width)[:, 1:] == torch.arange(1, width)).all()):
-        raise RuntimeError(f"vLLM returned its log-probs in another layout than 0.32's flat_logprobs (the sampled "
-                           f"token, then ranks 1..{requested}, per token): the candidates cannot be read")
-    ids, log_probs = ids.view(-1, width)[:, 1:], log_probs.view(-1, width)[:, 1:]
-    if requested > k:
-        overflowing = int(torch.isfinite(log_probs[:, k]).sum())
-        if overflowing:
-            raise ValueError(support_overflow(k, overflowing, sum(lengths), top_k, vocab_size))
-    ids, log_probs = candidate_slots(ids[:, :k], log_probs[:, :k], k)
-    return list(zip(ids.split(lengths), log_probs.split(lengths)))
