@@ -59,3 +59,55 @@ def test_the_advice_never_calls_a_level_safe(k3):
     for collapsed in published.went_wrong_at_or_below(k3, ROWS)[:3]:
         assert collapsed["model"].split(" (")[0] in text
     assert "Corrections that held in published runs" in text
+
+
+def by_id(name):
+    return next(row for row in ROWS if row["id"] == name)
+
+
+def test_the_score_centering_and_staleness_rows_as_their_sources_give_them():
+    collapse = by_id("qwen36-35b-a3b-hetero-sc-alone-collapse")
+    assert (collapse["outcome"], collapse["outcome_step"], collapse["mismatch_metric"], collapse["mismatch_value"],
+            collapse["k3_equivalent"]) == ("collapsed", 33, "sc_tail_ratio", [1.2, 52.0], None)
+    assert "step 40" in collapse["corrections"][1]["result"] and "0.36 -> 0.10" in collapse["corrections"][1]["result"]
+    held = by_id("qwen36-35b-a3b-hetero-sc-mis-held")
+    assert held["outcome"] == "stable" and held["corrections"][0]["result"].startswith("held")
+    assert "[0.5, 5]" in held["corrections"][0]["name"]
+    null = by_id("marin-9291-score-centering-null-replication")
+    assert null["url"] == "marin-community/marin#9291" and null["k3_equivalent"] is None
+    assert null["corrections"][0]["result"].startswith("no resolved effect (+28.5, -23.5, -5.5") and "mean -0.2" in \
+        null["corrections"][0]["result"]
+    stale = by_id("marin-8955-qwen3-0.6b-stale-ppo-vs-tis")
+    assert stale["url"] == "marin-community/marin#8955" and stale["outcome"] == "degraded"
+    results = {c["name"]: c["result"] for c in stale["corrections"]}
+    assert results["none (plain PPO), cadence 1, age 1"].startswith("failed (2/128 completed answers, 98.44%")
+    assert results["PPO + TIS, cadence 1, age 1"].startswith("held (98/128")
+    for row in (collapse, held, null, stale):
+        assert row["source_read"] is True and row["quote"] and row["note"]
+    assert [r["id"] for r in published.with_topic("score_centering", ROWS)] == [collapse["id"], held["id"], null["id"]]
+    assert published.with_topic("staleness", ROWS) == [stale]
+
+
+def test_a_level_stated_in_another_metric_is_said_as_such_and_never_taken_for_k3():
+    collapse = by_id("qwen36-35b-a3b-hetero-sc-alone-collapse")
+    assert published.describe(collapse) == ("Qwen3.6-35B-A3B collapsed by step 33 at sc_tail_ratio 1.2–52, no k3 "
+                                             "stated (Qwen3.6-35B-A3B mismatch study, 2026-10-04)")
+    assert published.describe(by_id("marin-9291-score-centering-null-replication")) == (
+        "Qwen3-0.6B stable over 40 steps at mean |log(trainer/behavior)| 0.015, no k3 stated (marin-community/marin "
+        "PR #9291, 2026-09-20)")
+    assert published.describe(by_id("qwen36-35b-a3b-hetero-sc-mis-held")).startswith(
+        "Qwen3.6-35B-A3B stable over 223 steps at an unstated level")
+    assert published.cite(collapse).startswith(published.describe(collapse) + ": score centering without an")
+    # none of them enters the k3 comparison: no stated k3
+    assert not [r for r in published.went_wrong_at_or_below(1.0, ROWS) if r.get("topics")]
+
+
+def test_the_new_held_corrections_do_not_displace_the_cited_ones():
+    names = [name for name, _ in published.held_corrections(ROWS)]
+    assert names[:3] == ["token TIS [0.5, 1.5] + geometric MIS [0.99, 1.001] + batch norm (config 2)",
+                         "sequence-level TIS, C=2",
+                         "geometric sequence masking (SkyRL config defaults geo_mask_low 0.99 / geo_mask_high 1.01; "
+                         "bounds used in the run not stated)"]
+    assert "score centering + IcePop-style MIS weights [0.5, 5] (full vocabulary), run r02" in names
+    assert "PPO + TIS, cadence 1, age 1" in names
+    assert not any(name.startswith("score centering (top-k 32)") for name in names)  # the null is not "held"

@@ -19,7 +19,7 @@ from ..config import MisConfig, load_yaml_mapping
 from ..correction.divergence import DIRECTIONAL
 from ..correction.staleness import lag_keys_in_use
 from ..inputs.advantages import needed as reads_advantages
-from . import advisor
+from . import advisor, sc_metrics
 from .comparison import render_comparison, write_comparison
 from .reading import DumpReader
 from .report_files import summary_text, write_report
@@ -36,15 +36,23 @@ class Analysis:
     results: dict  # candidate name -> its figures on the dumped tokens (the user's configs too, named "yours: ...")
     recommendation: advisor.Recommendation
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
+    score_centering: dict | None = None  # the metrics file's summary (sc_metrics.summarize); None without one
 
 
 def analyze(directory: Path | str, allow_partial: bool = False, progress: bool = False,
-            timings: bool = False, configs: Mapping[str, MisConfig] | None = None) -> Analysis:
+            timings: bool = False, configs: Mapping[str, MisConfig] | None = None,
+            metrics: Path | str | None = None, find_metrics: bool = False) -> Analysis:
     """Read, measure and advise on one dump directory (ValueError with one line for anything wrong).
 
     ``configs``: the user's own configs (name -> MisConfig), evaluated on the dump beside the candidates and shown
     with them; the recommendation is chosen among the candidates only. A config that needs an input the dump lacks
-    (each sequence's lag, the advantages) is refused, naming the key and the input."""
+    (each sequence's lag, the advantages) is refused, naming the key and the input.
+    ``metrics``: a per-step metrics file (``sc_metrics``), read first; without it and with ``find_metrics`` (as the
+    command line does), the lab's ``metrics.jsonl`` in the dump directory when there is one."""
+    score_centering = None
+    path, found = sc_metrics.find_metrics(directory, metrics) if (metrics or find_metrics) else (None, False)
+    if path is not None:
+        score_centering = sc_metrics.summarize(sc_metrics.read_metrics(path), found_in_run_dir=found)
     reader = DumpReader(directory, allow_partial=allow_partial, progress=progress)
     started = time.perf_counter()
     accumulator = StatisticsAccumulator(files=len(reader.files))
@@ -71,7 +79,8 @@ def analyze(directory: Path | str, allow_partial: bool = False, progress: bool =
         seconds[f"advisor pass ({len(candidates) + len(yours)} configs)"] = time.perf_counter() - started
     results = evaluator.results()
     recommendation = advisor.recommend(statistics, {name: row for name, row in results.items() if name not in yours})
-    return Analysis(Path(directory), statistics, results, recommendation, seconds if timings else {})
+    return Analysis(Path(directory), statistics, results, recommendation, seconds if timings else {},
+                    score_centering)
 
 
 YOURS = "yours: "  # the prefix of a user's config in the results
@@ -127,6 +136,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="analyse an incomplete dump (a call lacking a rank, a sequence short of its "
                              "response_length) with a warning, instead of refusing it")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    parser.add_argument("--metrics", type=Path, default=None, metavar="FILE",
+                        help="a per-step metrics file: the lab's metrics.jsonl, a W&B history as JSON lines, a JSON "
+                             "array or CSV (a step column; keys such as train/sc_tail_ratio); its score-centering "
+                             "series (mis_sc_*, miles' sc_*) get a section of the report. Default: DUMP_DIR/"
+                             "metrics.jsonl when there is one (default: %(default)s)")
     parser.add_argument("--config", type=Path, action="append", default=None, metavar="FILE", dest="configs",
                         help="also evaluate your own mis.yaml on the dump, in the candidates' table (repeatable; "
                              "use_tis: true unless the file sets it; default: %(default)s)")
@@ -135,9 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The command: one-line errors (``error: ...``, exit 1), never a traceback for bad input."""
     try:
+        metrics = getattr(args, "metrics", None)
+        if metrics is not None and args.compare:
+            raise ValueError(f"--metrics {metrics}: the score-centering section is part of the single-dump report, "
+                             "not of --compare: analyse the dump alone with --metrics")
         configs = dict(load_config(path) for path in args.configs or ())
-        first = analyze(args.dump_dir, allow_partial=args.allow_partial, progress=True, configs=configs)
-        second = (analyze(args.compare, allow_partial=args.allow_partial, progress=True, configs=configs)
+        first = analyze(args.dump_dir, allow_partial=args.allow_partial, progress=True, configs=configs,
+                        metrics=metrics, find_metrics=not args.compare)
+        second = (analyze(args.compare, allow_partial=args.allow_partial, progress=True, configs=configs,
+                          find_metrics=False)
                   if args.compare else None)
         if args.write_config:
             if first.recommendation.config is None:
@@ -170,13 +190,15 @@ def _write(args: argparse.Namespace, first: Analysis, second: Analysis | None) -
     title = f"miles_mis analysis of {first.directory}"
     if args.out_dir:
         write_report(args.out_dir, first.statistics, first.results, first.recommendation, title=title,
-                     with_figures=not args.no_figures, config_path=args.write_config)
-        text = summary_text(first.statistics, first.results, first.recommendation)
+                     with_figures=not args.no_figures, config_path=args.write_config,
+                     score_centering=first.score_centering)
+        text = summary_text(first.statistics, first.results, first.recommendation, first.score_centering)
         markdown = (args.out_dir / "report.md").read_text()
     else:
         text = markdown = render_markdown(first.statistics, first.results, first.recommendation, title=title,
                                           figures=None, config_path=args.write_config,
-                                          figures_note="figures: pass --out-dir DIR to write them")
+                                          figures_note="figures: pass --out-dir DIR to write them",
+                                          score_centering=first.score_centering)
     if args.out:
         args.out.write_text(markdown)
     return text

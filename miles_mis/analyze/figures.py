@@ -10,6 +10,9 @@ Five figures, file names in ``FIGURES``:
   by_call          per-call k3 over calls (training time) with its least-squares trend line
   histogram        counts of the token log ratio l = log pi_old - log pi_rollout (log counts, symlog l),
                    with candidate ratio bounds drawn at log(bound)
+
+and, when a metrics file holds score centering's per-step series (``sc_metrics``), ``SC_FIGURE``: the tail ratio,
+head masses, importance weight and correction over training steps.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ _BUCKET_FIGURES = {
 }
 _MAX_BOUND_LINES = 6
 
+# the score-centering figure (``write_score_centering_figure``), drawn only when a metrics file holds its series
+SC_FIGURE = "score_centering_over_steps.png"
+
 
 def figures_available() -> bool:
     """True when matplotlib can be imported (the figures are optional)."""
@@ -74,6 +80,20 @@ def write_figures(statistics: Mapping[str, Any], out_dir: Path, candidates: Mapp
         _save(figure, path)
         paths.append(path)
     return paths
+
+
+def write_score_centering_figure(summary: Mapping[str, Any], out_dir: Path) -> Path:
+    """``SC_FIGURE`` in out_dir from ``sc_metrics.summarize``'s output: the tail ratio over steps with its rise
+    threshold (``rise_factor`` × its first-steps median) and ``limit`` as dashed lines, the train and rollout head
+    masses, the importance weight and the correction, one panel each (a series the file lacks says so).
+    Raises ImportError naming ``pip install "miles-mis[figures]"`` without matplotlib."""
+    if not figures_available():
+        raise ImportError(INSTALL_HINT)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / SC_FIGURE
+    _save(_score_centering_figure(summary), path)
+    return path
 
 
 def candidate_bounds(candidates: Mapping[str, Any] | None, first: str | None = None) -> list[tuple[str, float, float]]:
@@ -179,6 +199,44 @@ def _calls_figure(rows: list):
     max_axis.grid(True, alpha=0.3)
     if not rows:
         k3_axis.text(0.5, 0.5, "no data", transform=k3_axis.transAxes, ha="center")
+    return figure
+
+
+def _score_centering_figure(summary: Mapping[str, Any]):
+    rows = list(summary.get("per_step") or [])
+    steps = [row.get("step") for row in rows]
+    figure, (tail_axis, mass_axis, weight_axis, correction_axis) = _new_figure(4, height=2.2)
+    figure.suptitle("Score centering over training steps")
+    tail = [finite_number(row.get("tail_ratio")) for row in rows]
+    tail_axis.plot(steps, _gaps(tail), marker=".", label="tail ratio")
+    summary_tail = summary.get("tail_ratio") or {}
+    rise, limit = finite_number(summary_tail.get("rise_threshold")), finite_number(summary_tail.get("limit"))
+    if rise is not None:
+        tail_axis.axhline(rise, color="C1", linestyle="--",
+                          label=f"{summary_tail.get('rise_factor', 2):g} × first-steps median ({rise:.3g})")
+    if limit is not None and any(v is not None and v > limit / 10 for v in tail):
+        tail_axis.axhline(limit, color="C3", linestyle="--", label=f"{limit:g}")
+    tail_axis.set_ylabel("tail ratio")
+    _log_if_decades(tail_axis, tail + ([limit] if limit is not None else []))
+    panels = ((mass_axis, (("train_head_mass", "train head mass P"), ("rollout_head_mass", "rollout head mass Q")),
+               "head mass"),
+              (weight_axis, (("importance_weight", "importance weight"),), "importance weight"),
+              (correction_axis, (("correction", "correction"),), "correction"))
+    for ax, series, label in ((tail_axis, (("tail_ratio", "tail ratio"),), "tail ratio"), *panels):
+        drawn = False
+        for key, name in series:
+            values = [finite_number(row.get(key)) for row in rows]
+            if any(v is not None for v in values):
+                drawn = True
+                if ax is not tail_axis:
+                    ax.plot(steps, _gaps(values), marker=".", label=name)
+        if not drawn:
+            ax.text(0.5, 0.5, "not in the metrics file", transform=ax.transAxes, ha="center")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize="small")
+    correction_axis.set_xlabel(f"step ({summary.get('step_key') or 'step'} in the metrics file)")
     return figure
 
 

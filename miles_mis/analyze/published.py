@@ -7,6 +7,11 @@ the source's own formula is k3 or a stated conversion gives it (``k3_equivalent`
 corrections held or failed. "When Speed Kills Stability"'s vllm-kl and prime-rl's mismatch_kl are computed as
 e^d − d − 1 per token, which is k3; miles' train_rollout_kl is the same per token, averaged per sample first.
 
+Rows that bear on one question carry ``topics`` (``score_centering``, ``staleness``): ``with_topic`` finds them and
+``cite`` words them as the advice cites them (``describe``'s few words, then the row's one-sentence ``quote``). A level
+its source states in another metric (``mismatch_metric``/``mismatch_value`` without ``k3_equivalent``: a tail ratio, a
+mean |l|, a rollout age) is said as that metric, "no k3 stated", and never enters the k3 comparison.
+
 The lab measures a 135M model on short responses over tens of steps; these runs are production models over hundreds
 to thousands of steps, so the analyzer never calls a level safe where one of them went wrong at or below it, or at a
 level its source does not state.
@@ -75,13 +80,19 @@ def held_corrections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mappi
 def describe(row: Mapping[str, Any]) -> str:
     """One row in a few words: model, level, what happened and when, and its source."""
     level = k3_range(row)
-    if level is None:
+    stated = _stated_level(row)
+    if level is None and stated is not None:
+        at = f"at {row['mismatch_metric']} {stated}, no k3 stated"
+    elif level is None:
         at = "at a level its source gives only in figures" if row.get("mismatch_metric") else "at an unstated level"
     else:
         metric = row.get("mismatch_metric") or "k3"
         at = f"at {metric} {_span(level)}" + ("" if metric == "k3" else " (= k3)")
     step = row.get("outcome_step") or row.get("steps")
-    when = f" by step {step}" if step and row.get("outcome") in WENT_WRONG else ""
+    if step and row.get("outcome") in (*WENT_WRONG, "degraded"):
+        when = f" by step {step}"
+    else:
+        when = f" over {row['steps']} steps" if row.get("steps") else ""
     model = str(row.get("model", "")).split(" (")[0]
     return f"{model} {row['outcome']}{when} {at} ({_short_source(row)})"
 
@@ -110,6 +121,34 @@ def sentence(k3: float, rows: Sequence[Mapping[str, Any]]) -> str | None:
             f"{name} ({str(row.get('model', '')).split(' (')[0]}, {_short_source(row)})"
             for name, row in held[:3]) + ".")
     return " ".join(parts) or None
+
+
+def with_topic(topic: str, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows tagged with ``topic`` (their ``topics`` list: ``score_centering``, ``staleness``), in file order."""
+    return [row for row in rows if topic in (row.get("topics") or ())]
+
+
+def cite(row: Mapping[str, Any]) -> str:
+    """A row as the advice cites it: ``describe``'s few words, then the row's one-sentence summary of its source."""
+    quote = str(row.get("quote") or "").strip()
+    return f"{describe(row)}: {quote[:1].lower() + quote[1:]}" if quote else describe(row)
+
+
+def staleness_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """What published runs at a version lag found, citing the ``staleness`` rows; None without any."""
+    tagged = with_topic("staleness", rows)
+    if not tagged:
+        return None
+    return "Published runs with stale rollouts: " + "; ".join(cite(row).rstrip(".") for row in tagged) + "."
+
+
+def _stated_level(row: Mapping[str, Any]) -> str | None:
+    """A non-k3 level its source states (``mismatch_value`` under ``mismatch_metric``), as text; None without one."""
+    value = row.get("mismatch_value")
+    if not row.get("mismatch_metric") or value is None or isinstance(value, bool):
+        return None
+    low, high = (value, value) if isinstance(value, (int, float)) else value
+    return f"{float(low):.3g}" if low == high else f"{float(low):.3g}–{float(high):.3g}"
 
 
 def _span(level: tuple[float, float]) -> str:

@@ -17,8 +17,10 @@ from .report_sentences import size_line, trend_sentence
 
 def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[str, Any] | None,
                  recommendation: Any, *, title: str, with_figures: bool = True,
-                 config_path: Path | str | None = None) -> dict[str, Path]:
-    """OUT/report.md, OUT/report.json and (with matplotlib, unless with_figures is False) the PNGs.
+                 config_path: Path | str | None = None,
+                 score_centering: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """OUT/report.md, OUT/report.json and (with matplotlib, unless with_figures is False) the PNGs, with the
+    score-centering figure (key "score_centering") when ``score_centering`` (``sc_metrics.summarize``) holds series.
     Returns {"markdown": …, "json": …, <figure key>: …}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -26,19 +28,26 @@ def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[
     if with_figures and _figures.figures_available():
         bounds = _figures.candidate_bounds(results, first=recommendation_name(recommendation))
         figures = _figures.write_figures(statistics, out_dir, candidates=results, bounds=bounds)
+        if score_centering and score_centering.get("present"):
+            figures.append(_figures.write_score_centering_figure(score_centering, out_dir))
     paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json"}
     paths["markdown"].write_text(render_markdown(statistics, results, recommendation, title=title, figures=figures,
-                                                 config_path=config_path, figures_note=note), encoding="utf-8")
-    data = to_json(statistics, results, recommendation)
+                                                 config_path=config_path, figures_note=note,
+                                                 score_centering=score_centering), encoding="utf-8")
+    data = to_json(statistics, results, recommendation, score_centering)
     data["figures"] = [p.name for p in figures] if figures is not None else None
     write_json(paths["json"], data)
     for key, path in zip(_figures.FIGURES, figures or []):
         paths[key] = path
+    if figures and figures[-1].name == _figures.SC_FIGURE:
+        paths["score_centering"] = figures[-1]
     return paths
 
 
-def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any) -> str:
-    """A few lines for stdout: size, k3, non-finite share, trend, recommendation."""
+def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any,
+                 score_centering: Mapping[str, Any] | None = None) -> str:
+    """A few lines for stdout: size, k3, non-finite share, trend, the score-centering tail ratio (with a metrics file
+    that holds it), recommendation."""
     name, reasons = recommendation_name(recommendation), list(getattr(recommendation, "reasons", None) or [])
     lines = [size_line(statistics).split(". ")[0] + ".",
              f"token k3 = {fmt(statistics.get('k3'))}, mean |Δ log p| = {fmt(statistics.get('mean_abs_log_ratio'))}, "
@@ -48,7 +57,22 @@ def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | Non
     safe = _safe_level.for_dump(statistics, _safe_level.load())
     if safe is not None:
         lines.append(safe)
+    tail = (score_centering or {}).get("tail_ratio")
+    if tail:
+        lines.append(sc_line(score_centering))
     first = f" ({reasons[0]})" if reasons else ""
     evaluated = f" of {len(results)} candidates" if results else ""
     lines.append(f"recommendation{evaluated}: {name if name is not None else 'none'}{first}")
     return "\n".join(lines) + "\n"
+
+
+def sc_line(summary: Mapping[str, Any]) -> str:
+    """One stdout line on the score-centering tail ratio of a metrics file (``sc_metrics.summarize``'s output)."""
+    tail = summary["tail_ratio"]
+    def at(step):
+        return "never" if step is None else f"step {step}"
+    rise = "n/a" if tail["rise_threshold"] is None else at(tail["first_step_above_rise"])
+    return (f"score centering ({summary['file']}, {tail['steps']} steps): tail ratio first-{tail['baseline_steps']}-"
+            f"step median {fmt(tail['baseline_median'])}, max {fmt(tail['max'])} (step {tail['max_step']}), last "
+            f"{fmt(tail['last'])}; above {fmt(tail['rise_factor'])}x the median: {rise}; above "
+            f"{fmt(tail['limit'])}: {at(tail['first_step_above_limit'])}")

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
+from . import published as _published
 from . import safe_level as _safe_level
+from . import sc_metrics as _sc
 from . import truncation as _truncation
 from .report_configs import config_dict, config_yaml, describe_config, recommendation_name
 from .figures import finite_number as _finite
@@ -28,10 +30,12 @@ MAX_CALL_ROWS = 40
 # --------------------------------------------------------------------------- the report
 def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any, *,
                     title: str, figures: Sequence[Path] | None = None, config_path: Path | str | None = None,
-                    figures_note: str | None = None) -> str:
+                    figures_note: str | None = None, score_centering: Mapping[str, Any] | None = None) -> str:
     """The Markdown report. figures: the PNGs of ``figures.write_figures``, linked by file name (the report is
     written next to them); None: a note says why there are none (figures_note, or how to get them).
-    config_path: where the recommended config was written, named in the usage line."""
+    config_path: where the recommended config was written, named in the usage line.
+    score_centering: ``sc_metrics.summarize``'s output for a metrics file (its figure, ``figures.SC_FIGURE``, is
+    linked when it is among ``figures``); None: no metrics file was read."""
     lines = [f"# {title}", ""]
     lines += warning_lines(statistics)
     lines += [size_line(statistics), ""]
@@ -47,6 +51,7 @@ def render_markdown(statistics: Mapping[str, Any], results: Mapping[str, Any] | 
     lines += _histogram_section(statistics, figures)
     lines += _worst_section(statistics)
     lines += _safe_level_section(statistics)
+    lines += score_centering_section(score_centering, figures)
     lines += _candidates_section(results, recommendation)
     lines += _recommendation_section(recommendation, config_path)
     return "\n".join(lines).rstrip() + "\n"
@@ -126,7 +131,18 @@ def _lag_section(statistics: Mapping[str, Any]) -> list[str]:
     lines += markdown_table(["lag", "sequences", "tokens", "k3", "k1", "mean |Δ log p|"],
                             [[str(row["bucket"]), fmt(row["sequences"]), fmt(row["tokens"]), fmt(row["k3"]),
                               fmt(row["k1"]), fmt(row["mean_abs_log_ratio"])] for row in rows])
-    return lines + [attribution_sentence(statistics.get("lag_attribution")), ""]
+    lines += [attribution_sentence(statistics.get("lag_attribution")), ""]
+    evidence = staleness_evidence(statistics)
+    return lines + ([evidence, ""] if evidence else [])
+
+
+def staleness_evidence(statistics: Mapping[str, Any]) -> str | None:
+    """The published runs with stale rollouts (``published.staleness_sentence``), when the dump holds stale samples
+    (a lag bucket above 0); None otherwise."""
+    attribution = statistics.get("lag_attribution") or {}
+    stale = attribution.get("stale_buckets") or [row for row in statistics.get("by_lag") or []
+                                                 if str(row.get("bucket")) != "0"]
+    return _published.staleness_sentence(_published.load()) if stale else None
 
 
 def _calls_section(statistics: Mapping[str, Any], figures: Sequence[Path] | None) -> list[str]:
@@ -163,6 +179,78 @@ def _worst_section(statistics: Mapping[str, Any]) -> list[str]:
     columns = ["call", "index", "length", "k3", "max_abs_log_ratio", "worst_position"]
     return lines + markdown_table(["call", "index", "length", "k3", "max |l|", "position of the worst token"],
                                   [[fmt(row.get(c)) for c in columns] for row in rows])
+
+
+def score_centering_section(summary: Mapping[str, Any] | None, figures: Sequence[Path] | None) -> list[str]:
+    """Score centering over training steps, from a metrics file (``sc_metrics``): nothing without a file; a line
+    saying what was read when it holds no score-centering value; else what was read and what it lacks, the tail
+    ratio's rise, every series' summary, the per-step values, the figure and the advice."""
+    if not summary:
+        return []
+    where = ", found in the run directory" if summary.get("found_in_run_directory") else ""
+    read = f"Read `{summary['file']}` ({_sc.FORMATS[summary['format']]}{where}): {summary['rows']} rows"
+    if not summary.get("present"):
+        return [f"_Metrics: {read}, none with a score-centering value (no key named mis_sc_* or sc_*, with or "
+                "without a prefix such as train/): no score-centering section._", ""]
+    lines = ["## Score centering over training steps", ""]
+    keys = ", ".join(f"`{item['key']}`" for item in summary["keys"].values())
+    names = sorted({item["names"] for item in summary["keys"].values()})
+    lines += [f"{read}; {summary['steps']} steps with score-centering values, steps {summary['first_step']}–"
+              f"{summary['last_step']} (step column `{summary['step_key']}`); keys {keys} ({' and '.join(names)} "
+              "names). Each value is the host's sum_of_sample_mean of a per-token value over "
+              "one training step.", ""]
+    notes = []
+    missing = summary.get("missing") or []
+    if missing:
+        notes.append("not in the file: " + ", ".join(f"{name.replace('_', ' ')} (mis_sc_{name} / sc_{name})"
+                                                      for name in missing) + "; nothing is shown for them")
+    if summary.get("rows_without_values"):
+        notes.append(f"{summary['rows_without_values']} rows without any score-centering value were not used")
+    if summary.get("nonfinite_skipped"):
+        notes.append(f"{summary['nonfinite_skipped']} NaN/inf values skipped, not replaced (first: "
+                     f"{summary['first_nonfinite']})")
+    if summary.get("replaced"):
+        notes.append(f"{summary['replaced']} values replaced by a later row of the same step (first: "
+                     f"{summary['first_replaced']})")
+    lines += [f"- {note}." for note in notes] + ([""] if notes else [])
+    tail = summary.get("tail_ratio")
+    if tail:
+        rise = tail["rise_threshold"]
+        table = [[f"median over its first {tail['baseline_steps']} steps ({tail['baseline_first_step']}–"
+                  f"{tail['baseline_last_step']})", fmt(tail["baseline_median"]), ""],
+                 ["maximum", fmt(tail["max"]), str(tail["max_step"])],
+                 ["last", fmt(tail["last"]), str(tail["last_step"])],
+                 [f"first step above {fmt(tail['rise_factor'])} × that median"
+                  + (f" ({fmt(rise)})" if rise is not None else " (not measured: the median is not positive)"),
+                  "", _step_or_never(tail["first_step_above_rise"], rise is not None)],
+                 [f"first step above {fmt(tail['limit'])}", "", _step_or_never(tail["first_step_above_limit"])]]
+        lines += ["The tail ratio ρ = max(1 − Q, ε) / max(1 − P, ε) (the tail model's q/p: 1 where trainer and engine "
+                  "put the same mass outside the recorded candidates):", ""]
+        lines += markdown_table(["tail ratio", "value", "step"], table)
+    rows = [[name.replace("_", " "), f"`{summary['keys'][name]['key']}`", fmt(s["steps"]),
+             f"{fmt(s['first'])} ({s['first_step']})", f"{fmt(s['min'])} ({s['min_step']})", fmt(s["median"]),
+             f"{fmt(s['max'])} ({s['max_step']})", f"{fmt(s['last'])} ({s['last_step']})"]
+            for name, s in (summary.get("series") or {}).items()]
+    lines += ["Each series (value, and its step in parentheses):", ""]
+    lines += markdown_table(["series", "key", "steps", "first", "min", "median", "max", "last"], rows)
+    per_step = _sc.step_rows(summary)
+    shown = [name for name in _sc.SERIES if name not in missing]
+    if len(per_step) < len(summary.get("per_step") or []):
+        lines += [f"The first and last {_sc.MAX_STEP_ROWS // 2} of {summary['steps']} steps (all of them in "
+                  "report.json):", ""]
+    lines += markdown_table(["step"] + [name.replace("_", " ") for name in shown],
+                            [["…"] * (len(shown) + 1) if row is None else
+                             [str(row["step"])] + [fmt(row.get(name)) for name in shown] for row in per_step])
+    for path in figures or []:
+        if Path(path).name == _figures.SC_FIGURE:
+            lines += [f"![score centering over training steps]({Path(path).name})", ""]
+    return lines + [summary.get("advice") or "", ""]
+
+
+def _step_or_never(step: Any, measured: bool = True) -> str:
+    if not measured:
+        return "n/a"
+    return "never in this file" if step is None else str(step)
 
 
 # --------------------------------------------------------------------------- candidates and recommendation
