@@ -542,6 +542,36 @@ def mechanism_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _first_last(cell: dict[int, dict], key: str, spec: str) -> str:
+    """``key``'s mean over the first 10 steps → over the last 10 (means over runs), and its largest step value."""
+    runs = [[v for v in r.get(key) or [] if v is not None] for r in cell.values()]
+    runs = [run for run in runs if run]
+    if not runs:
+        return "not recorded"
+    first = recorded_mean(recorded_mean(run[:10]) for run in runs)
+    last = recorded_mean(recorded_mean(run[-10:]) for run in runs)
+    return (f"{formatted(first, spec)} → {formatted(last, spec)} (largest step "
+            f"{formatted(max(max(run) for run in runs), spec)})")
+
+
+def centering_lines(rows: list[dict]) -> list[str]:
+    """Per regime and score-centering or IcePop cell with runs, the signals the 35B study saw move first: the tail
+    ratio ρ, the gradient norm, and the response length and truncated share, first 10 steps → last 10."""
+    lines = []
+    for regime in REGIMES:
+        for algorithm in (a for a in REGIMES[regime][1] if a in SCORE_CENTERING or a == BASELINE):
+            cell = _cell(rows, regime, algorithm)
+            if not cell or (algorithm == BASELINE and not any(_cell(rows, regime, a) for a in SCORE_CENTERING)):
+                continue
+            tail = (f"tail ratio {_first_last(cell, 'mis_sc_tail_ratio', '.3g')}, "
+                    if _has(cell, "mis_sc_tail_ratio") else "")
+            lines.append(f"- {regime}, {algorithm} ({len(cell)} runs): {tail}grad norm "
+                         f"{_first_last(cell, 'grad_norm', '.3g')}, response length "
+                         f"{_first_last(cell, 'response_length', '.1f')}, truncated share "
+                         f"{_first_last(cell, 'truncated_fraction', '.2f')}")
+    return lines
+
+
 def sections(rows: list[dict], figures: Path | None,
              curve_file: Path | None = None) -> list[tuple[str, str, str | None]]:
     """The tables as (title, markdown, figure file under ``figures`` or None): each regime, the mechanisms, and what
@@ -558,6 +588,9 @@ def sections(rows: list[dict], figures: Path | None,
         out.append((regime, "\n".join([table, "", *[f"- {s}" for s in sentences]]), name if drawn else None))
     mechanisms = mechanism_lines(rows)
     out.append(("Mechanisms", "\n".join(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), None))
+    centering = centering_lines(rows)
+    if centering:
+        out.append(("Score centering's signals, first 10 steps → last 10", "\n".join(centering), None))
     points = curve(rows)
     safe = [curve_table(points), "", *[f"- {level_sentence(safe_level(points, u))}" for u in UNCORRECTED]]
     name = "lab_verdicts_safe_mismatch.png" if points else None

@@ -464,3 +464,25 @@ def test_printing_the_tables_writes_no_file(verdicts, tmp_path, monkeypatch, cap
     verdicts.sections(rows, None, curve_file)
     written = json.loads(curve_file.read_text())
     assert written["steps"] == 20 and [p["regime"] for p in written["points"]] == ["bf16"]
+
+
+def test_centering_lines_by_hand(verdicts):
+    """The score-centering cells' signals, first 10 steps -> last 10 (means over runs) and the largest step value;
+    standard PPO beside them; no line for a cell without runs."""
+    rows = []
+    for seed, tail_end in ((0, 3.0), (1, 5.0)):
+        row = _row(verdicts, "sc", seed, [0.3] * 20)
+        row.update(regime="bf16 + fp8 weights", mis_sc_tail_ratio=[1.0] * 10 + [tail_end] * 10,
+                   grad_norm=[0.5] * 10 + [1.5] * 10, response_length=[10.0] * 20, truncated_fraction=[0.0] * 20)
+        rows.append(row)
+        standard = _row(verdicts, "standard", seed, [0.3] * 20)
+        standard.update(regime="bf16 + fp8 weights", grad_norm=[0.2] * 20, response_length=[12.0] * 20,
+                        truncated_fraction=[0.25] * 20, mis_sc_tail_ratio=[None] * 20)  # as a run records: none
+        rows.append(standard)
+    lines = verdicts.centering_lines(rows)
+    assert lines == [
+        "- bf16 + fp8 weights, standard (2 runs): grad norm 0.2 → 0.2 (largest step 0.2), response length 12.0 → 12.0 "
+        "(largest step 12.0), truncated share 0.25 → 0.25 (largest step 0.25)",
+        "- bf16 + fp8 weights, sc (2 runs): tail ratio 1 → 4 (largest step 5), grad norm 0.5 → 1.5 (largest step 1.5), "
+        "response length 10.0 → 10.0 (largest step 10.0), truncated share 0.00 → 0.00 (largest step 0.00)"]
+    assert verdicts.centering_lines([r for r in rows if r["algorithm"] == "standard"]) == []
