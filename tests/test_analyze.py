@@ -10,6 +10,9 @@ import sys
 import pytest
 import torch
 
+from cli_answers import analyze_cli as analyze
+from cli_answers import one_line_error
+
 from miles_mis import MisConfig, cli, compute_mis_weights
 from miles_mis.analyze import NONFINITE_LIMIT, analyze as run_analysis
 
@@ -45,19 +48,6 @@ def split_cp2(samples, cut=10):
     """Rank 0 holds the first `cut` tokens of every sequence, rank 1 the rest (the order does not matter)."""
     return {0: [(o[:cut], r[:cut], m[:cut]) for o, r, m in samples],
             1: [(o[cut:], r[cut:], m[cut:]) for o, r, m in samples]}
-
-
-def analyze(capsys, *argv):
-    code = cli.main(["analyze", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err):
-    """The CLI's answer to bad input: exit 1 and exactly one stderr line 'error: ...'; returns the message."""
-    assert code == 1, err
-    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
-    return err[len("error: "):-1]
 
 
 def markdown(capsys, directory, *argv):

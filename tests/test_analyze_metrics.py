@@ -9,7 +9,8 @@ import statistics
 import pytest
 import torch
 
-from miles_mis import cli
+from cli_answers import analyze_cli, one_line_error
+
 from miles_mis.analyze import figures, published, report_files, report_json, report_markdown, sc_metrics
 from miles_mis.analyze import analyze as run_analysis
 
@@ -45,18 +46,6 @@ def write_dump(directory):
                         "advantages": torch.zeros(10), "local_loss_mask": torch.ones(10)})
     torch.save({"rank": 0, "call": 0, "samples": samples}, out / "rank_0_call_0.pt")
     return directory
-
-
-def analyze_cli(capsys, *argv):
-    code = cli.main(["analyze", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err):
-    assert code == 1, err
-    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
-    return err[len("error: "):-1]
 
 
 # --------------------------------------------------------------------------- the numbers, by hand
