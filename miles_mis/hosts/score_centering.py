@@ -132,7 +132,7 @@ def read_batch(args: Any, batch: Mapping[str, Any], cp: distributed.Group) -> Ce
     bad = ~torch.isfinite(rollout) | (rollout > 0)
     if bool(bad.any()):
         n = int(bad.nonzero()[0])
-        i = int(torch.searchsorted(torch.tensor(local).cumsum(0), n, right=True))
+        i = _sequence_of(n, local)
         raise InputError(f"sequence {i}: rollout_log_probs[{i}] holds {float(rollout[n])}: a log-prob is finite and "
                          "≤ 0", i)
     tokens, loss_mask = responses.index_select(0, positions), masks.index_select(0, positions)
@@ -141,13 +141,18 @@ def read_batch(args: Any, batch: Mapping[str, Any], cp: distributed.Group) -> Ce
         outside = ~(candidates.ids == tokens[:, None]).any(dim=1) & (loss_mask != 0)
         if bool(outside.any()):
             n = int(outside.nonzero()[0])
-            i = int(torch.searchsorted(torch.tensor(local).cumsum(0), n, right=True))
+            i = _sequence_of(n, local)
             raise InputError(f"sequence {i}: a trained token ({int(tokens[n])}) is not among its recorded candidates: "
                              "with --use-sampling-support-replay the candidates are the support the engine sampled "
                              "from, which holds the sampled token", i)
     return CenteringBatch(rows=logits_rows(total, response, cp.rank, cp.size, qkv_format, max_seq_lens),
                           tokens=tokens, candidates=candidates, rollout_log_probs=rollout, advantages=advantages,
                           loss_mask=loss_mask)
+
+
+def _sequence_of(token: int, local_lengths: list[int]) -> int:
+    """The sequence holding local token ``token`` (its index among this rank's concatenated tokens)."""
+    return int(torch.searchsorted(torch.tensor(local_lengths).cumsum(0), token, right=True))
 
 
 def _local_values(values: Any, name: str, local_lengths: list[int]) -> Tensor:
