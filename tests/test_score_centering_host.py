@@ -168,6 +168,7 @@ def _cp_worker(rank, size, fmt, weighting, tp):
     want_values = torch.stack([want.detach()] + [want_log[k] for k in sorted(want_log)])
     assert torch.allclose(values, want_values, rtol=1e-5, atol=1e-6), (values, want_values)
     assert torch.allclose(grad, want_grad, atol=1e-6)
+    dist.barrier()  # leave together: a rank tearing gloo down while its peer still works can abort the peer
 
 
 @pytest.mark.parametrize("size, fmt, weighting", [(2, "thd", "mis"), (3, "thd", "tis"), (2, "bshd", "none")])
@@ -190,6 +191,7 @@ def _fail_worker(rank, size):
     text = str(caught.value)
     assert "sequence 2: rollout_log_probs[2] holds nan" in text
     assert (rank == 1) != isinstance(caught.value, PeerFailure)
+    dist.barrier()  # leave together (as above)
 
 
 def test_a_bad_input_on_one_cp_rank_fails_every_rank():
