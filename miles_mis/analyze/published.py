@@ -7,10 +7,20 @@ the source's own formula is k3 or a stated conversion gives it (``k3_equivalent`
 corrections held or failed. "When Speed Kills Stability"'s vllm-kl and prime-rl's mismatch_kl are computed as
 e^d − d − 1 per token, which is k3; miles' train_rollout_kl is the same per token, averaged per sample first.
 
-Rows that bear on one question carry ``topics`` (``score_centering``, ``staleness``): ``with_topic`` finds them and
-``cite`` words them as the advice cites them (``describe``'s few words, then the row's one-sentence ``quote``). A level
-its source states in another metric (``mismatch_metric``/``mismatch_value`` without ``k3_equivalent``: a tail ratio, a
-mean |l|, a rollout age) is said as that metric, "no k3 stated", and never enters the k3 comparison.
+Rows that bear on one question carry ``topics`` (``TOPICS``): ``with_topic`` finds them and ``cite`` words them as the
+advice cites them (``describe``'s few words, then the row's one-sentence ``quote``):
+
+- ``score_centering``: runs with score centering (``sc_metrics``);
+- ``staleness``: runs on rollouts a version lag old (``staleness_sentence``);
+- ``sequence_weight``: a sequence-level weight exp(Σ l) on long responses (``sequence_weight_sentence``, for a dump
+  where most sequences' product ratio leaves [0.5, 2]);
+- ``lr0_drift``: a mismatch that grew with the weights fixed (learning rate 0); ``sentence`` ends with them, since a
+  dump's k3 is one reading and not a bound on later steps;
+- ``admission``: a new model's mismatch checked before RL (``admission_sentence``).
+
+A level its source states in another metric (``mismatch_metric``/``mismatch_value`` without ``k3_equivalent``: a tail
+ratio, a mean |l|, a rollout age) is said as that metric, "no k3 stated", and never enters the k3 comparison. A row
+whose outcome is ``measured`` reports a level with no training outcome (a check at learning rate 0, one logged step).
 
 The lab measures a 135M model on short responses over tens of steps; these runs are production models over hundreds
 to thousands of steps, so the analyzer never calls a level safe where one of them went wrong at or below it, or at a
@@ -26,7 +36,9 @@ from typing import Any, Mapping, Sequence
 OUTCOMES = Path(__file__).with_name("published_outcomes.json")
 WENT_WRONG = ("collapsed",)  # a degraded row is a correction's cost (a too-tight mask), not the mismatch's
 CORRECTION_WORDS = ("TIS", "MIS", "masking", "sequence-level")  # the weight corrections among a row's remedies
-OUTCOME_VALUES = ("collapsed", "degraded", "stable", "improved")
+OUTCOME_VALUES = ("collapsed", "degraded", "stable", "improved", "measured")  # measured: a level, no training outcome
+TOPICS = ("score_centering", "staleness", "sequence_weight", "lr0_drift", "admission")
+PRODUCT_OUTSIDE_SHARE = 0.5  # cite the sequence_weight rows when at least this share of sequences' ∏ρ leaves [0.5, 2]
 
 
 def load(path: Path | None = None) -> list[dict]:
@@ -120,11 +132,16 @@ def sentence(k3: float, rows: Sequence[Mapping[str, Any]]) -> str | None:
         parts.append("Corrections that held in published runs: " + "; ".join(
             f"{name} ({str(row.get('model', '')).split(' (')[0]}, {_short_source(row)})"
             for name, row in held[:3]) + ".")
+    drift = drift_sentence(rows)
+    if drift:
+        parts.append(drift)
     return " ".join(parts) or None
 
 
 def with_topic(topic: str, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rows tagged with ``topic`` (their ``topics`` list: ``score_centering``, ``staleness``), in file order."""
+    """The rows tagged with ``topic`` (their ``topics`` list; one of ``TOPICS``), in file order."""
+    if topic not in TOPICS:
+        raise ValueError(f"topic must be one of {', '.join(TOPICS)}; got {topic!r}")
     return [row for row in rows if topic in (row.get("topics") or ())]
 
 
@@ -139,7 +156,53 @@ def staleness_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
     tagged = with_topic("staleness", rows)
     if not tagged:
         return None
-    return "Published runs with stale rollouts: " + "; ".join(cite(row).rstrip(".") for row in tagged) + "."
+    return "Published runs with stale rollouts: " + _cited(tagged) + "."
+
+
+def drift_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The ``lr0_drift`` rows: a mismatch read once bounds no later step, since it grew in a published run whose
+    weights were fixed; None without any."""
+    tagged = with_topic("lr0_drift", rows)
+    if not tagged:
+        return None
+    return ("One reading is not a bound on later steps; the mismatch grew with the weights fixed: "
+            + _cited(tagged) + ".")
+
+
+def sequence_weight_sentence(statistics: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """For a dump where a sequence-level weight ∏ρ = exp(Σ l) is set by length more than by mismatch, the published
+    ``sequence_weight`` rows; None otherwise (or without rows, or without the dump's share).
+
+    The trigger is ``seq_product_outside_half_two_fraction`` (the share of sequences whose ∏ρ leaves [0.5, 2]) at or
+    above PRODUCT_OUTSIDE_SHARE: with small per-token log-ratios summed over long responses, most products leave the
+    band, and a weight built on exp(Σ l) rescales whole sequences, where a token or sequence-mean weight exp(mean l)
+    stays near 1."""
+    share = statistics.get("seq_product_outside_half_two_fraction")
+    tagged = with_topic("sequence_weight", rows)
+    if share is None or not tagged:
+        return None
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
+        raise ValueError(f"seq_product_outside_half_two_fraction must be a number in [0, 1], got {share!r}")
+    if float(share) < PRODUCT_OUTSIDE_SHARE:
+        return None
+    length = statistics.get("mean_response_length")
+    mean = f", mean response {float(length):,.0f} tokens" if isinstance(length, (int, float)) and length > 0 else ""
+    return (f"{float(share):.0%} of the sequences' product ratio ∏ρ = exp(Σ l) leaves [0.5, 2] here{mean}: a "
+            "sequence-level weight on exp(Σ l) rescales whole sequences by their length; a token-level weight or the "
+            "sequence mean exp(mean l) (geometric level) does not. Published: " + _cited(tagged) + ".")
+
+
+def admission_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """What published new-model checks measured (the ``admission`` rows), then the ``lr0_drift`` rows that a short
+    check at learning rate 0 would not have seen; None without admission rows."""
+    tagged = with_topic("admission", rows)
+    if not tagged:
+        return None
+    text = "Published new-model checks: " + _cited(tagged) + "."
+    drift = with_topic("lr0_drift", rows)
+    if drift:
+        text += " A short check can pass and the mismatch still grow later: " + _cited(drift) + "."
+    return text
 
 
 def _stated_level(row: Mapping[str, Any]) -> str | None:
@@ -149,6 +212,11 @@ def _stated_level(row: Mapping[str, Any]) -> str | None:
         return None
     low, high = (value, value) if isinstance(value, (int, float)) else value
     return f"{float(low):.3g}" if low == high else f"{float(low):.3g}–{float(high):.3g}"
+
+
+def _cited(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows as the advice cites them, one after another (no closing full stop)."""
+    return "; ".join(cite(row).rstrip(".") for row in rows)
 
 
 def _span(level: tuple[float, float]) -> str:
