@@ -4,9 +4,12 @@
   miles-mis train [flags]                   one lab run (miles' host flags plus the lab's)
   miles-mis measure [flags]                 an engine's mismatch on the lab's model (e.g. --model smollm2-135m),
                                             where it lives and what each shipped config does, without training
+  miles-mis admit DUMP_DIR | [lab flags]    the model-admission check (every step's k3 < 0.015, the drift) on
+                                            dumps of miles, slime, prime-rl or NeMo RL, or on the lab's model
   miles-mis check-config FILE [--use-tis]   print the effective config (defaults filled in) or the error
-  miles-mis analyze DUMP_DIR [--out-dir D]  read miles --dump-details dumps: where the mismatch lives, which
-                                            correction (--write-config F), two dumps side by side (--compare)
+  miles-mis analyze DUMP_DIR [--out-dir D]  read miles, slime, prime-rl or NeMo RL dumps: where the mismatch
+                                            lives, which correction (--write-config F), two dumps side by side
+                                            (--compare)
   miles-mis plugin-demo [--configs-dir DIR] run the plugin on a shipped example batch with every config
                                             in configs/ and print the host-reduced metrics side by side
 """
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the lab commands own their flags (miles' host flags included): hand them over untouched
+    if argv and argv[0] == "admit":
+        return _admit(argv[1:])
     if argv and argv[0] in ("train", "demo", "measure"):
         if argv[0] == "train":
             from ..lab.train import main as train_main
@@ -150,6 +155,8 @@ def _main(argv: list[str] | None = None) -> int:
     sub.add_parser("train", help="one lab run (miles-mis train --help)")
     sub.add_parser("measure", help="an engine's mismatch on the lab's model, without training (miles-mis measure "
                                    "--help)")
+    sub.add_parser("admit", help="the model-admission check: every step's mismatch under a bar, its drift; on a "
+                                 "dump directory or the lab's model (miles-mis admit --help)")
     check = sub.add_parser("check-config", help="print the effective config of a YAML file, or its error")
     check.add_argument("file")
     check.add_argument("--use-tis", action="store_true", default=None,
@@ -169,6 +176,20 @@ def _main(argv: list[str] | None = None) -> int:
 
         return run(args)
     return plugin_demo(args.configs_dir)
+
+
+def _admit(argv: list[str]) -> int:
+    """``admit DUMP_DIR [flags]`` judges dumps; ``admit [lab flags]`` (no directory first) runs the lab's model."""
+    if argv and not argv[0].startswith("-"):
+        from ..analyze import admit_command
+
+        parser = argparse.ArgumentParser(prog="miles-mis admit", description=admit_command.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        admit_command.add_arguments(parser)
+        return _run_lab(admit_command.run, parser.parse_args(argv))
+    from ..lab.admit import main as admit_main
+
+    return _run_lab(admit_main, argv)
 
 
 def _run_lab(entry, argv: list[str]) -> int:

@@ -50,9 +50,15 @@ class NemoRLReader:
         self._empty = 0
 
     def batches(self) -> Iterator[CallBatch]:
+        """One CallBatch per step file, in step order."""
+        for _, batch in self.step_batches():
+            yield batch
+
+    def step_batches(self) -> Iterator[tuple[int, CallBatch]]:
+        """(the step number in the file name, its CallBatch)."""
         self._empty = 0
-        for call, path in enumerate(self.files):
-            yield call_batch(call, self._read_file(path))
+        for call, (step, path) in enumerate(zip(self.steps, self.files)):
+            yield step, call_batch(call, self._read_file(path))
         if self._empty:
             warning = (f"{self._empty} samples keep no token (token_loss_mask 0 everywhere, or sample_loss_mask 0: "
                        "filtered by the run): left out")

@@ -76,11 +76,17 @@ class PrimeRLReader:
 
     def batches(self) -> Iterator[CallBatch]:
         """One CallBatch per (step, rank, micro_step), in that order; one file in memory at a time."""
+        for _, batch in self.step_batches():
+            yield batch
+
+    def step_batches(self) -> Iterator[tuple[int, CallBatch]]:
+        """(the trainer step, its CallBatch) per micro-batch, in ``batches()``' order."""
         call = 0
         self._empty = 0
         for path in self.files:
+            step = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1))
             for micro_step, responses in sorted(self._read_file(path).items()):
-                yield call_batch(call, responses)
+                yield step, call_batch(call, responses)
                 call += 1
         if self._empty:
             warning = (f"{self._empty} exported sequences keep no token (loss_mask all false, or rl_weights 0 "
