@@ -303,7 +303,7 @@ def test_without_matplotlib_the_report_says_how_to_get_figures(tmp_path, monkeyp
         figures.write_figures(make_statistics(), tmp_path / "figs")
     paths = report_files.write_report(tmp_path / "out", make_statistics(), make_results(), make_recommendation(),
                                 title="analysis")
-    assert set(paths) == {"markdown", "json"} and not list((tmp_path / "out").glob("*.png"))
+    assert set(paths) == {"markdown", "json", "html"} and not list((tmp_path / "out").glob("*.png"))
     assert 'pip install "miles-mis[figures]"' in paths["markdown"].read_text()
     assert json.loads(paths["json"].read_text())["figures"] is None
 

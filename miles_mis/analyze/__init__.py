@@ -2,8 +2,9 @@
 
 A package, one concept a module: ``reading`` (discovery, validation, streaming by call), ``statistics``
 (where the mismatch lives), ``advisor`` (candidate configs on the dumped tokens, the recommendation,
-``--write-config``), the report (``report_markdown``, ``report_json``, ``figures`` for the PNGs, ``report_files``
-writing them with a stdout summary; ``report_tables``, ``report_sentences``, ``report_configs`` and ``formatting`` are
+``--write-config``), the report (``report_markdown``, ``report_json``, ``figures`` for the PNGs, ``report_html`` for one
+self-contained page with ``report_strips``' token strips of the ``worst_sequences``, ``report_files`` writing them with
+a stdout summary; ``report_tables``, ``report_sentences``, ``report_configs`` and ``formatting`` are
 their parts), ``comparison`` (two dumps side by side), ``sc_metrics`` (score centering's per-step series from a
 metrics file, ``--metrics``), ``published`` (the published outcomes the advice cites), and ``command`` (the pipeline
 and the command line).

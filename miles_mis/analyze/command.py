@@ -22,7 +22,7 @@ from ..inputs.advantages import needed as reads_advantages
 from . import advisor, sc_metrics
 from .comparison import render_comparison, write_comparison
 from .reading import DumpReader
-from .report_files import summary_text, write_report
+from .report_files import summary_text, write_html_report, write_report
 from .report_markdown import render_markdown
 from .statistics import StatisticsAccumulator
 
@@ -123,10 +123,13 @@ def load_config(path: Path) -> tuple[str, MisConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dump_dir", type=Path, help="the --dump-details directory (holding policy_loss_debug/)")
     parser.add_argument("--out-dir", type=Path, default=None,
-                        help="write report.md, report.json and the PNG figures there; stdout gets a short summary "
-                             "(default: %(default)s = the Markdown report on stdout)")
+                        help="write report.md, report.json, report.html and the PNG figures there; stdout gets a "
+                             "short summary (default: %(default)s = the Markdown report on stdout)")
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown report to this file "
                         "(default: %(default)s)")
+    parser.add_argument("--html", type=Path, default=None, metavar="FILE",
+                        help="also write the report as one self-contained HTML page (inline figures, no network) to "
+                             "this file; --out-dir always writes it as report.html (default: %(default)s)")
     parser.add_argument("--write-config", type=Path, default=None, metavar="FILE",
                         help="write the recommended config as a ready mis.yaml (default: %(default)s)")
     parser.add_argument("--compare", type=Path, default=None, metavar="DUMP_DIR_B",
@@ -153,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None and args.compare:
             raise ValueError(f"--metrics {metrics}: the score-centering section is part of the single-dump report, "
                              "not of --compare: analyse the dump alone with --metrics")
+        if args.html is not None and args.compare:
+            raise ValueError(f"--html {args.html}: the HTML page is the single-dump report, not --compare's: analyse "
+                             "each dump alone with --html")
         configs = dict(load_config(path) for path in args.configs or ())
         first = analyze(args.dump_dir, allow_partial=args.allow_partial, progress=True, configs=configs,
                         metrics=metrics, find_metrics=not args.compare)
@@ -194,11 +200,17 @@ def _write(args: argparse.Namespace, first: Analysis, second: Analysis | None) -
                      score_centering=first.score_centering)
         text = summary_text(first.statistics, first.results, first.recommendation, first.score_centering)
         markdown = (args.out_dir / "report.md").read_text()
+        if args.html is not None:
+            args.html.write_text((args.out_dir / "report.html").read_text(encoding="utf-8"), encoding="utf-8")
     else:
         text = markdown = render_markdown(first.statistics, first.results, first.recommendation, title=title,
                                           figures=None, config_path=args.write_config,
                                           figures_note="figures: pass --out-dir DIR to write them",
                                           score_centering=first.score_centering)
+        if args.html is not None:
+            write_html_report(args.html, first.statistics, first.results, first.recommendation, title=title,
+                              with_figures=not args.no_figures, config_path=args.write_config,
+                              score_centering=first.score_centering)
     if args.out:
         args.out.write_text(markdown)
     return text

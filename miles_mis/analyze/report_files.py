@@ -1,8 +1,10 @@
-"""The analyze report written to a directory (``write_report``: report.md, report.json and, with matplotlib, the
-PNGs) and the few lines printed instead of it (``summary_text``)."""
+"""The analyze report written to a directory (``write_report``: report.md, report.json, report.html and, with
+matplotlib, the PNGs), the HTML page alone (``write_html_report``, its figures drawn in a temporary directory) and the
+few lines printed instead of them (``summary_text``)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -10,6 +12,7 @@ from . import figures as _figures
 from . import safe_level as _safe_level
 from .report_configs import recommendation_name
 from .formatting import fmt, write_json
+from .report_html import render_html, write_html
 from .report_json import to_json
 from .report_markdown import render_markdown
 from .report_sentences import size_line, trend_sentence
@@ -19,21 +22,20 @@ def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[
                  recommendation: Any, *, title: str, with_figures: bool = True,
                  config_path: Path | str | None = None,
                  score_centering: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """OUT/report.md, OUT/report.json and (with matplotlib, unless with_figures is False) the PNGs, with the
-    score-centering figure (key "score_centering") when ``score_centering`` (``sc_metrics.summarize``) holds series.
-    Returns {"markdown": …, "json": …, <figure key>: …}."""
+    """OUT/report.md, OUT/report.json, OUT/report.html (one self-contained page, ``report_html``) and (with
+    matplotlib, unless with_figures is False) the PNGs, with the score-centering figure (key "score_centering") when
+    ``score_centering`` (``sc_metrics.summarize``) holds series.
+    Returns {"markdown": …, "json": …, "html": …, <figure key>: …}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures, note = None, None if with_figures else "Figures not drawn (turned off: --no-figures)."
-    if with_figures and _figures.figures_available():
-        bounds = _figures.candidate_bounds(results, first=recommendation_name(recommendation))
-        figures = _figures.write_figures(statistics, out_dir, candidates=results, bounds=bounds)
-        if score_centering and score_centering.get("present"):
-            figures.append(_figures.write_score_centering_figure(score_centering, out_dir))
-    paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json"}
+    figures, note = draw_figures(out_dir, statistics, results, recommendation, with_figures, score_centering)
+    paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json", "html": out_dir / "report.html"}
     paths["markdown"].write_text(render_markdown(statistics, results, recommendation, title=title, figures=figures,
                                                  config_path=config_path, figures_note=note,
                                                  score_centering=score_centering), encoding="utf-8")
+    write_html(paths["html"], render_html(statistics, results, recommendation, title=title, figures=figures,
+                                          figures_note=note, config_path=config_path,
+                                          score_centering=score_centering))
     data = to_json(statistics, results, recommendation, score_centering)
     data["figures"] = [p.name for p in figures] if figures is not None else None
     write_json(paths["json"], data)
@@ -42,6 +44,35 @@ def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[
     if figures and figures[-1].name == _figures.SC_FIGURE:
         paths["score_centering"] = figures[-1]
     return paths
+
+
+def draw_figures(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[str, Any] | None,
+                 recommendation: Any, with_figures: bool = True,
+                 score_centering: Mapping[str, Any] | None = None) -> tuple[list[Path] | None, str | None]:
+    """The report's PNGs in out_dir (the score-centering one when ``score_centering`` holds series): (their paths,
+    None); (None, why not) when turned off; (None, None) without matplotlib (the reports say how to get it)."""
+    if not with_figures:
+        return None, "Figures not drawn (turned off: --no-figures)."
+    if not _figures.figures_available():
+        return None, None
+    bounds = _figures.candidate_bounds(results, first=recommendation_name(recommendation))
+    figures = _figures.write_figures(statistics, out_dir, candidates=results, bounds=bounds)
+    if score_centering and score_centering.get("present"):
+        figures.append(_figures.write_score_centering_figure(score_centering, out_dir))
+    return figures, None
+
+
+def write_html_report(path: Path | str, statistics: Mapping[str, Any], results: Mapping[str, Any] | None,
+                      recommendation: Any, *, title: str, with_figures: bool = True,
+                      config_path: Path | str | None = None,
+                      score_centering: Mapping[str, Any] | None = None) -> Path:
+    """The HTML page alone at ``path``: its figures are drawn in a temporary directory, inlined, then deleted."""
+    with tempfile.TemporaryDirectory(prefix="miles_mis_figures_") as scratch:
+        figures, note = draw_figures(Path(scratch), statistics, results, recommendation, with_figures,
+                                     score_centering)
+        return write_html(path, render_html(statistics, results, recommendation, title=title, figures=figures,
+                                            figures_note=note, config_path=config_path,
+                                            score_centering=score_centering))
 
 
 def summary_text(statistics: Mapping[str, Any], results: Mapping[str, Any] | None, recommendation: Any,

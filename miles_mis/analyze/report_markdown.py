@@ -269,19 +269,31 @@ def _candidates_section(results: Mapping[str, Any] | None, recommendation: Any) 
     lines = ["## Candidate configurations on these tokens", ""]
     if not results:
         return lines + ["No candidate was evaluated.", ""]
-    lines += ["Each candidate's correction applied to the dumped tokens (use_tis on), grouped by level, largest ESS "
-              "first. kept: the share of valid tokens / sequences trained on; ESS: (Σw)² / (N Σw²) of the final "
-              "weights (1 = uniform, nothing rejected); bounded: the share of kept tokens whose weight a bound "
-              "changed (a bias proxy); signal shift: the |A|-weighted mean |w − 1| (0 = gradient signal unchanged, "
-              "1 = as much as rejecting every token); signal bias: its signed counterpart.", ""]
+    lines += [CANDIDATE_NOTE, ""]
+    rows = [[f"**{name}** (recommended)" if chosen else name] + cells
+            for name, chosen, cells in candidate_rows(results, recommendation)]
+    return lines + markdown_table(CANDIDATE_HEADER, rows)
+
+
+CANDIDATE_NOTE = ("Each candidate's correction applied to the dumped tokens (use_tis on), grouped by level, largest "
+                  "ESS first. kept: the share of valid tokens / sequences trained on; ESS: (Σw)² / (N Σw²) of the "
+                  "final weights (1 = uniform, nothing rejected); bounded: the share of kept tokens whose weight a "
+                  "bound changed (a bias proxy); signal shift: the |A|-weighted mean |w − 1| (0 = gradient signal "
+                  "unchanged, 1 = as much as rejecting every token); signal bias: its signed counterpart.")
+CANDIDATE_HEADER = ["candidate", "level", "correction"] + [heading for _, heading in CANDIDATE_COLUMNS]
+
+
+def candidate_rows(results: Mapping[str, Any], recommendation: Any) -> list[tuple[str, bool, list[str]]]:
+    """The candidates' table in report order (``_sorted_candidates``): per candidate its name, whether it is the
+    recommended one, and its cells after the name (level, correction, then ``CANDIDATE_COLUMNS``), as text. The
+    Markdown and the HTML report show these rows."""
     chosen = recommendation_name(recommendation)
     rows = []
     for name, result in _sorted_candidates(results):
         config = config_dict(result.get("config"))
-        label = f"**{name}** (recommended)" if name == chosen else name
-        rows.append([label, str(config.get("tis_level", "n/a")), describe_config(config)]
-                    + [fmt(result.get(key)) for key, _ in CANDIDATE_COLUMNS])
-    return lines + markdown_table(["candidate", "level", "correction"] + [h for _, h in CANDIDATE_COLUMNS], rows)
+        rows.append((name, name == chosen, [str(config.get("tis_level", "n/a")), describe_config(config)]
+                     + [fmt(result.get(key)) for key, _ in CANDIDATE_COLUMNS]))
+    return rows
 
 
 def _recommendation_section(recommendation: Any, config_path: Path | str | None) -> list[str]:

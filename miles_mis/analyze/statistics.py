@@ -11,7 +11,8 @@ expm1(clamp(ℓ_t)) − ℓ_t in float64 (estimators.py: e^c − ℓ − 1 cance
   probability of the sampled token (fixed buckets), by response length (log2 buckets), and by call (training
   time) with a least-squares trend of the per-call k3;
 - a fixed-bin histogram of ℓ (symmetric-log bins) and quantiles of ℓ read from it;
-- the worst sequences (highest mean k3);
+- the worst sequences (highest mean k3), with the per-token values of a window around each one's largest |ℓ|
+  (``worst_sequences``: a bounded heap, for the HTML report's token strips);
 - by version lag (0, 1, 2, ≥ 3 weight versions behind the trainer), when the dump records lags.
 
 Every statistic is a sum, a count, a maximum or a top-k over tokens or sequences, kept in fixed-size float64
@@ -35,6 +36,7 @@ from ..tensors.ops import LOG_PROB_BOUND, LOG_RATIO_CLAMP
 from .estimators import chi2_terms, k3_terms
 from .reading import CallBatch
 from .truncation import local_values, summary
+from .worst_sequences import WORST, WorstSequences, token_window
 
 POSITION_BUCKETS = 24  # bucket 0: the first token; bucket b ≥ 1: positions [2^(b-1), 2^b)
 LENGTH_BUCKETS = 24  # bucket 0: empty responses; bucket b ≥ 1: lengths [2^(b-1), 2^b)
@@ -44,7 +46,6 @@ PROB_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99, 1.0)  # rollout probability 
 _MAGNITUDES = [10.0 ** (-8 + k / 20) for k in range(13 * 20 + 1)]
 HISTOGRAM_EDGES = [-m for m in reversed(_MAGNITUDES)] + _MAGNITUDES
 QUANTILES = ("0.001", "0.01", "0.05", "0.5", "0.95", "0.99", "0.999")
-WORST = 10
 CATASTROPHIC = 1e-4  # ρ below this: a catastrophic token (the veto's usual threshold)
 
 # token sums of the whole dump (float64 accumulators, by name)
@@ -71,7 +72,7 @@ class StatisticsAccumulator:
         self.by_call: dict[int, list[float]] = defaultdict(lambda: [0.0] * 7)
         # lag bucket (0, 1, 2, 3plus) -> [sequences, tokens, Σ k3, Σ k1, Σ |ℓ|], of the sequences whose lag is known
         self.by_lag = torch.zeros(len(LAG_BUCKETS), 5, dtype=torch.float64)
-        self.worst: list[dict] = []
+        self.worst = WorstSequences(WORST)
         self.truncation = torch.zeros(len(_truncation.NAMES), dtype=torch.float64)  # the detector's sums
 
     # ------------------------------------------------------------------ update
@@ -164,14 +165,16 @@ class StatisticsAccumulator:
         mean_k3 = torch.where(has, sum_k3 / n_usable.clamp(min=1), torch.full_like(sum_k3, -1.0))
         top = torch.topk(mean_k3, min(WORST, num_seqs)).indices.tolist()
         positions = tokens["positions"]
+        starts = torch.cumsum(torch.tensor([0] + [t.numel() for t in batch.old_log_probs]), 0).tolist()
         for i in top:
-            if not bool(has[i]):
+            call, index, k3_i = batch.calls[i], batch.indices[i], float(mean_k3[i])
+            if not bool(has[i]) or not self.worst.would_keep(k3_i, call, index):
                 continue
             worst_position = int(positions[first_max[i]]) if int(first_max[i]) < seq.numel() else -1
-            self.worst.append({"call": batch.calls[i], "index": batch.indices[i], "length": batch.response_lengths[i],
-                               "k3": float(mean_k3[i]), "max_abs_log_ratio": float(max_abs[i]),
-                               "worst_position": worst_position})
-        self.worst = sorted(self.worst, key=lambda row: (-row["k3"], row["call"], row["index"]))[:WORST]
+            window = token_window(batch.old_log_probs[i], batch.rollout_log_probs[i], batch.loss_masks[i],
+                                  batch.positions[i], centre=int(first_max[i]) - starts[i])
+            self.worst.offer({"call": call, "index": index, "length": batch.response_lengths[i], "k3": k3_i,
+                              "max_abs_log_ratio": float(max_abs[i]), "worst_position": worst_position}, window)
 
     # ------------------------------------------------------------------ result
     def result(self) -> dict:
@@ -206,7 +209,8 @@ class StatisticsAccumulator:
             "trend": _trend(by_call),
             "histogram": {"edges": list(HISTOGRAM_EDGES), "counts": [int(c) for c in self.histogram.tolist()]},
             "quantiles": _quantiles(self.histogram),
-            "worst_sequences": list(self.worst),
+            "worst_sequences": self.worst.rows(),
+            "token_strips": self.worst.strips(),
             "warnings": list(self.warnings),
         }
 
