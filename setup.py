@@ -17,7 +17,9 @@ setup(
     package_data={"miles_mis.configs": ["*.yaml"], "miles_mis.analyze": ["*.json"]},
     install_requires=["torch", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb", "scipy", "ruff==0.17.6"],  # ruff: the linter (ruff.toml)
+        # ruff: the linter (ruff.toml); selenium drives Debian's chromium-driver in the HTML report's browser test
+        "test": ["pytest", "hypothesis", "megatron-core", "matplotlib", "wandb", "scipy", "ruff==0.17.6",
+                 "selenium==4.51.0"],
         "megatron": ["megatron-core"],
         "wandb": ["wandb"],
         "figures": ["matplotlib"],  # the demo's figure and the analyzer's PNGs
