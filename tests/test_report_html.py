@@ -176,8 +176,20 @@ def test_a_tiny_strip_is_shaded_from_its_log_probs():
     assert page.tokens[4]["class"] == "tok masked" and "excluded by the loss mask" in page.tokens[4]["title"]
     assert page.tokens[5]["class"] == page.tokens[6]["class"] == "tok nonfinite"
     assert page.tokens[5]["title"].startswith("position 5: log π_rollout n/a, log π_old -1, Δ log p n/a (a NaN/inf")
-    assert page.tokens[1]["class"] == "tok peak"
+    assert [cell["class"] for cell in page.tokens].count("tok peak") == 1 and page.tokens[1]["class"] == "tok peak"
     assert page.tokens[2]["title"] == "position 2: log π_rollout -2, log π_old -1, Δ log p -1"
+
+
+def test_unknown_positions_mark_one_peak_and_say_unknown():
+    """Shards off the zigzag layout have no response position (−1): the peak is still the one largest |Δ|."""
+    one = hand_batch([-1.0, -1.0, 0.5, -1.2], [1, 1, 1, 1])
+    one = CallBatch(**{**one.__dict__, "positions": [torch.full((4,), -1)]})
+    accumulator = StatisticsAccumulator()
+    accumulator.update(one)
+    page = page_of(strips_section(accumulator.result()))
+    assert [cell["class"] for cell in page.tokens] == ["tok", "tok", "tok peak", "tok"]
+    assert page.tokens[2]["title"] == "position unknown (token 2): log π_rollout 0.5, log π_old -1, Δ log p 1.5"
+    assert "max |Δ log p| 1.5 at an unknown position; tokens 0–3 of 4" in "".join(page.text)
 
 
 def test_the_window_and_truncation_marks(tmp_path, capsys):

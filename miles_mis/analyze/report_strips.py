@@ -91,19 +91,21 @@ def strip_html(strip: Mapping[str, Any], scale: float) -> str:
     start, end, held = int(strip.get("start", 0)), int(strip.get("end", 0)), int(strip.get("held", 0))
     length = strip.get("length")
     missing = (int(length) - held) if isinstance(length, int) and length > held else 0
+    worst = strip.get("worst_position")
+    at = f"position {worst}" if isinstance(worst, int) and worst >= 0 else "an unknown position"
     heading = (f"call {fmt(strip.get('call'))}, sequence {fmt(strip.get('index'))}: k3 {fmt(strip.get('k3'))}, "
-               f"max |Δ log p| {fmt(strip.get('max_abs_log_ratio'))} at position {fmt(strip.get('worst_position'))}; "
+               f"max |Δ log p| {fmt(strip.get('max_abs_log_ratio'))} at {at}; "
                f"tokens {start}–{end - 1} of {held}" + (f" (response_length {length}: {missing} not in the dump)"
                                                          if missing else ""))
     cells = []
     if start > 0:
         cells.append(f'<span class="gap" title="{start} tokens before not shown">…{start}</span>')
-    worst = strip.get("worst_position")
-    for position, rollout, old, valid, usable, value in zip(
+    for offset, (position, rollout, old, valid, usable, value) in enumerate(zip(
             strip.get("positions") or [], strip.get("rollout") or [], strip.get("old") or [],
-            strip.get("valid") or [], strip.get("usable") or [], _deltas(strip)):
-        cells.append(token_html(position, rollout, old, bool(valid), value if usable else None, scale,
-                                peak=position == worst))
+            strip.get("valid") or [], strip.get("usable") or [], _deltas(strip))):
+        where = position if isinstance(position, int) and position >= 0 else f"unknown (token {start + offset})"
+        cells.append(token_html(where, rollout, old, bool(valid), value if usable else None, scale,
+                                peak=start + offset == strip.get("peak")))
     if end < held:
         cells.append(f'<span class="gap" title="{held - end} tokens after not shown">…{held - end}</span>')
     if missing:
@@ -116,7 +118,8 @@ def token_html(position: Any, rollout: Any, old: Any, valid: bool, value: float 
                peak: bool = False) -> str:
     """One token's cell: shaded by Δ (``value``; None for a token that is not usable); its tooltip gives position,
     both log-probs and Δ."""
-    title = (f"position {fmt(position)}: log π_rollout {fmt(rollout)}, log π_old {fmt(old)}, Δ log p "
+    where = position if isinstance(position, str) else fmt(position)
+    title = (f"position {where}: log π_rollout {fmt(rollout)}, log π_old {fmt(old)}, Δ log p "
              f"{fmt(value)}")
     classes = ["tok"] + (["peak"] if peak else [])
     style = ""

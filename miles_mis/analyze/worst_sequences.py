@@ -30,7 +30,8 @@ def token_window(old: Tensor, rollout: Tensor, valid: Tensor, positions: Tensor,
     """The tokens [start, end) of one sequence (its held tokens in response order), at most ``size`` of them, with
     ``centre`` inside: start = clamp(centre − size // 2, 0, max(n − size, 0)), end = min(start + size, n).
 
-    Returns start, end, held (n), and per token of the window: its response position (−1 where unknown), the
+    Returns start, end, held (n), peak (``centre``: the largest |Δ|'s index among the held tokens, since positions
+    may be unknown, −1), and per token of the window: its response position (−1 where unknown), the
     engine's and the trainer's log-prob (None where NaN/inf: the statistics stay JSON), whether the loss mask keeps
     it (``valid``) and whether it is usable as the plugin defines it (``ops.usable_tokens``: valid, both log-probs
     finite and inside ±LOG_PROB_BOUND, so a fill value is not)."""
@@ -39,7 +40,7 @@ def token_window(old: Tensor, rollout: Tensor, valid: Tensor, positions: Tensor,
     end = min(start + size, held)
     old, rollout = old[start:end].double(), rollout[start:end].double()
     kept = valid[start:end] != 0
-    return {"start": start, "end": end, "held": held,
+    return {"start": start, "end": end, "held": held, "peak": int(centre),
             "positions": [int(p) for p in positions[start:end].tolist()],
             "rollout": [_finite_or_none(v) for v in rollout.tolist()],
             "old": [_finite_or_none(v) for v in old.tolist()],
