@@ -254,15 +254,18 @@ def test_missing_or_non_directory_paths(tmp_path, capsys):
     assert one_line_error(*analyze(capsys, tmp_path / "none")[::2]) == f"{tmp_path / 'none'} does not exist"
     path = write_dump(tmp_path, {0: batch(7, 0.01, num=2)}) / "rank_0_call_0.pt"
     assert one_line_error(*analyze(capsys, path)[::2]) == (
-        f"{path} is a file, not a directory: pass the --dump-details directory (the one holding policy_loss_debug/)")
+        f"{path} is a file, not a directory: pass the directory holding the dumps (miles' --dump-details directory, "
+        "prime-rl's output directory, NeMo RL's log directory)")
     (tmp_path / "empty").mkdir()
-    assert one_line_error(*analyze(capsys, tmp_path / "empty")[::2]).startswith(f"{tmp_path / 'empty'}: no miles dumps")
+    assert one_line_error(*analyze(capsys, tmp_path / "empty")[::2]).startswith(
+        f"{tmp_path / 'empty'}: no dump of a known format; looked for miles / slime --dump-details "
+        "(policy_loss_debug/rank_<r>_call_<c>.pt)")
 
 
 def test_no_valid_token_is_an_error(tmp_path, capsys):
     write_dump(tmp_path, {0: [(o, r, torch.zeros_like(m)) for o, r, m in batch(8, 0.01, num=2)]})
     assert one_line_error(*analyze(capsys, tmp_path)[::2]) == (
-        f"{tmp_path}: the dumps hold no valid token (every local_loss_mask is 0): nothing to analyse")
+        f"{tmp_path}: the dumps hold no valid token (every loss mask is 0): nothing to analyse")
 
 
 def test_an_unwritable_out_file_is_one_line(tmp_path, capsys):

@@ -402,3 +402,28 @@ def test_every_format_says_what_it_lacks():
     assert miles.lacks == ()
     assert any("version lag" in item for item in prime.lacks) and any("version lag" in item for item in nemo.lacks)
     assert "559b4477" in prime.schema and "7ea279ab" in nemo.schema
+
+
+# --------------------------------------------------------------------------- the command line
+
+def test_analyze_on_a_prime_rl_export_says_the_format_and_what_it_lacks(tmp_path, capsys):
+    from cli_answers import analyze_cli, one_line_error
+
+    write_prime_rl(tmp_path / "run", {(1, 0): [mixed_sequences(30, 6, 0.1)], (2, 0): [mixed_sequences(31, 6, 0.1)]})
+    code, out, err = analyze_cli(capsys, tmp_path / "run")
+    assert code == 0, err
+    assert "Read as a prime-rl token export (token_exports/step_<s>/rank_<r>.jsonl" in out
+    assert "It lacks each sequence's version lag" in out and "## Recommendation" in out
+    config = tmp_path / "lagged.yaml"
+    config.write_text("use_tis: true\nrs_max_lag: 2\n")
+    message = one_line_error(*analyze_cli(capsys, tmp_path / "run", "--config", config)[::2])
+    assert message.startswith(f"--config {config}: rs_max_lag need") and "prime-rl and NeMo RL do not" in message
+
+
+def test_admit_and_analyze_read_a_nemo_rl_log_directory(tmp_path, capsys):
+    from cli_answers import analyze_cli
+
+    write_nemo(tmp_path, [mixed_sequences(32, 5, 0.05), mixed_sequences(33, 5, 0.05)])
+    code, out, err = analyze_cli(capsys, tmp_path / "logs" / "exp_001")
+    assert code == 0, err
+    assert "Read as a NeMo RL train data" in out and "a call is one step's whole batch" in out

@@ -21,9 +21,9 @@ from ..correction.staleness import lag_keys_in_use
 from ..inputs.advantages import needed as reads_advantages
 from . import advisor, sc_metrics
 from .comparison import render_comparison, write_comparison
-from .reading import DumpReader
 from .report_files import summary_text, write_html_report, write_report
 from .report_markdown import render_markdown
+from .stacks import open_dump
 from .statistics import StatisticsAccumulator
 
 NONFINITE_LIMIT = advisor.NONFINITE_LIMIT
@@ -53,7 +53,8 @@ def analyze(directory: Path | str, allow_partial: bool = False, progress: bool =
     path, found = sc_metrics.find_metrics(directory, metrics) if (metrics or find_metrics) else (None, False)
     if path is not None:
         score_centering = sc_metrics.summarize(sc_metrics.read_metrics(path), found_in_run_dir=found)
-    reader = DumpReader(directory, allow_partial=allow_partial, progress=progress)
+    opened = open_dump(directory, allow_partial=allow_partial, progress=progress)
+    reader = opened.reader
     started = time.perf_counter()
     accumulator = StatisticsAccumulator(files=len(reader.files))
     inputs = DumpInputs()
@@ -62,8 +63,9 @@ def analyze(directory: Path | str, allow_partial: bool = False, progress: bool =
         inputs.update(batch)
     statistics = accumulator.result()
     statistics["warnings"] = list(reader.warnings)
+    statistics["dump_format"] = opened.format.as_dict()
     if statistics["tokens"] == 0:
-        raise ValueError(f"{directory}: the dumps hold no valid token (every local_loss_mask is 0): nothing to "
+        raise ValueError(f"{directory}: the dumps hold no valid token (every loss mask is 0): nothing to "
                          "analyse")
     seconds = {"statistics pass": time.perf_counter() - started}
     broken = statistics["nonfinite_fraction"] > NONFINITE_LIMIT  # nothing to judge a correction on
@@ -103,8 +105,8 @@ class DumpInputs:
         if lag_keys and self.with_lags < self.sequences:
             raise ValueError(f"--config {name[len(YOURS):]}: {' and '.join(lag_keys)} need each sequence's version "
                              f"lag, but {self.sequences - self.with_lags} of the dump's {self.sequences} sequences "
-                             "have none (the lab's dumps record version_lag; miles' do not): drop the lag keys to "
-                             "evaluate it")
+                             "have none (the lab's dumps record version_lag; those of miles, prime-rl and NeMo RL "
+                             "do not): drop the lag keys to evaluate it")
         if config.use_tis and reads_advantages(config) and self.with_advantages < self.sequences:
             options = ", ".join(option for option, _, _ in config.rs_divergence if option.split("_")[-1] in DIRECTIONAL)
             raise ValueError(f"--config {name[len(YOURS):]}: {options} read the advantages, but "
@@ -121,7 +123,9 @@ def load_config(path: Path) -> tuple[str, MisConfig]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dump_dir", type=Path, help="the --dump-details directory (holding policy_loss_debug/)")
+    parser.add_argument("dump_dir", type=Path, help="a dump directory: miles / slime --dump-details (holding "
+                        "policy_loss_debug/), prime-rl's token export (token_exports/step_<s>/), or NeMo RL's "
+                        "train_data_step<N>.jsonl; the format is told from the files")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="write report.md, report.json, report.html and the PNG figures there; stdout gets a "
                              "short summary (default: %(default)s = the Markdown report on stdout)")

@@ -16,8 +16,18 @@ def size_line(statistics: Mapping[str, Any]) -> str:
     """'F dump files, C calls, S sequences, T valid tokens (U usable).' then what π_old, π_rollout and l are."""
     return (f"{fmt(statistics.get('files'))} dump files, {fmt(statistics.get('calls'))} calls, "
             f"{fmt(statistics.get('sequences'))} sequences, {fmt(statistics.get('tokens'))} valid tokens "
-            f"({fmt(statistics.get('usable_tokens'))} usable). π_old is the trainer's recompute, π_rollout the "
-            "engine's log-prob; l = log π_old − log π_rollout = log ρ.")
+            f"({fmt(statistics.get('usable_tokens'))} usable). {format_sentence(statistics)}π_old is the trainer's "
+            "log-prob, π_rollout the engine's; l = log π_old − log π_rollout = log ρ.")
+
+
+def format_sentence(statistics: Mapping[str, Any]) -> str:
+    """For a dump of another stack: which format was read, what a call is in it and what it lacks ('' for a miles
+    dump, whose layout the whole report assumes)."""
+    fmt_ = statistics.get("dump_format") or {}
+    if not fmt_ or fmt_.get("name", "").startswith("miles"):
+        return ""
+    lacks = f" It lacks {'; '.join(fmt_['lacks'])}." if fmt_.get("lacks") else ""
+    return f"Read as a {fmt_['name']} ({fmt_['files']}; schema: {fmt_['schema']}); a call is {fmt_['call']}.{lacks} "
 
 
 def warning_lines(statistics: Mapping[str, Any]) -> list[str]:

@@ -62,7 +62,8 @@ def open_dump(directory: Path | str, allow_partial: bool = False, progress: bool
     if not directory.exists():
         raise ValueError(f"{directory} does not exist")
     if not directory.is_dir():
-        raise ValueError(f"{directory} is a file, not a directory: pass the directory holding the dumps")
+        raise ValueError(f"{directory} is a file, not a directory: pass the directory holding the dumps (miles' "
+                         "--dump-details directory, prime-rl's output directory, NeMo RL's log directory)")
     found = [fmt for fmt, present in ((MILES, any(directory.glob("**/rank_*_call_*.pt"))),
                                       (PRIME_RL, bool(export_files(directory))),
                                       (NEMO_RL, bool(step_files(directory)))) if present]
