@@ -427,3 +427,16 @@ def test_admit_and_analyze_read_a_nemo_rl_log_directory(tmp_path, capsys):
     code, out, err = analyze_cli(capsys, tmp_path / "logs" / "exp_001")
     assert code == 0, err
     assert "Read as a NeMo RL train data" in out and "a call is one step's whole batch" in out
+
+
+def test_a_long_sequence_dump_cites_the_sequence_weight_rows_in_its_report(tmp_path, capsys):
+    """Long responses with a small per-token mismatch: most products ∏ρ leave [0.5, 2], and the report's evidence
+    cites the published sequence-weight rows (NeMo RL 2269)."""
+    from cli_answers import analyze_cli
+
+    long = [as_float32(sequence(40 + i, prompt=3, response=400, noise=0.2)) for i in range(6)]
+    write_miles(tmp_path, [long])
+    code, out, err = analyze_cli(capsys, tmp_path)
+    assert code == 0, err
+    assert "of the sequences' product ratio ∏ρ = exp(Σ l) leaves [0.5, 2] here" in out
+    assert "NVIDIA-NeMo/RL" in out

@@ -139,12 +139,15 @@ def _nearest_sentence(k3: float, curve: Mapping[str, Any], matters: Mapping[str,
 
 
 def for_dump(statistics: Mapping[str, Any], curve: Mapping[str, Any] | None) -> str | None:
-    """``sentence`` for a dump's statistics, or, when every usable token's π_old equals its rollout log-prob bit for
-    bit (``identical_fraction`` = 1), why its k3 = 0 says nothing (None without a curve)."""
+    """``sentence`` for a dump's statistics (then, where most sequences' ∏ρ leaves [0.5, 2], the published rows on
+    sequence-level weights, ``published.sequence_weight_sentence``), or, when every usable token's π_old equals its
+    rollout log-prob bit for bit (``identical_fraction`` = 1), why its k3 = 0 says nothing (None without a curve)."""
     if curve is None:
         return None
     if statistics.get("identical_fraction") != 1.0:
-        return sentence(statistics.get("k3"), curve)
+        text = sentence(statistics.get("k3"), curve)
+        lengths = published.sequence_weight_sentence(statistics, published.load())
+        return text if lengths is None else " ".join(part for part in (text, lengths) if part)
     text = ("Not readable from this dump: π_old equals the engine's log-probs bit for bit on every token. That is a "
             "dump written in bypass mode (--use-rollout-logprobs: miles dumps the rollout log-probs as π_old), where "
             "k3 = 0 whatever the engine, unless trainer and engine are bit-identical (a true on-policy setup). Dump "
