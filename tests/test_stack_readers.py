@@ -234,12 +234,8 @@ def test_nemo_rl_span_is_cut_at_input_lengths_and_filtered_samples_are_counted(t
 
 
 def test_nemo_rl_nan_tokens_in_the_file_are_read_as_nonfinite(tmp_path):
-    seq = as_float32(sequence(10, prompt=2, response=4))
-    write_nemo(tmp_path, [[seq]])
-    path = next(tmp_path.glob("**/train_data_step1.jsonl"))
-    line = json.loads(path.read_text())
-    line["generation_logprobs"][0][3] = float("nan")
-    path.write_text(json.dumps(line) + "\n")  # Python writes the NaN token, as NeMo RL's logger does
+    # Python's json writes the NaN token, as NeMo RL's logger does
+    path = _nemo_line_file(tmp_path, 10, lambda line: line["generation_logprobs"][0].__setitem__(3, float("nan")))
     assert "NaN" in path.read_text()
     statistics = compute(NemoRLReader(tmp_path).batches())
     assert statistics["nonfinite_fraction"] == pytest.approx(1 / 4)
@@ -332,25 +328,28 @@ def test_a_line_that_is_not_json_is_named(tmp_path):
         list(PrimeRLReader(tmp_path).batches())
 
 
-def test_nemo_rl_without_a_trainer_recompute_is_refused(tmp_path):
-    seq = as_float32(sequence(13, prompt=2, response=4))
-    write_nemo(tmp_path, [[seq]])
+def _nemo_line_file(tmp_path, seed, change, prompt=2, response=4):
+    """A one-sample NeMo RL step file whose line ``change`` edits (the parsed dict, in place) before it is written."""
+    write_nemo(tmp_path, [[as_float32(sequence(seed, prompt=prompt, response=response))]])
     path = next(tmp_path.glob("**/train_data_step1.jsonl"))
     line = json.loads(path.read_text())
-    line["prev_logprobs"] = [[0.0] * len(line["prev_logprobs"][0])]
+    change(line)
     path.write_text(json.dumps(line) + "\n")
+    return path
+
+
+def test_nemo_rl_without_a_trainer_recompute_is_refused(tmp_path):
+    _nemo_line_file(tmp_path, 13, lambda line: line.update(prev_logprobs=[[0.0] * len(line["prev_logprobs"][0])]))
     with pytest.raises(ValueError, match="prev_logprobs are 0 on every generated token.*force_on_policy_ratio"):
         list(NemoRLReader(tmp_path).batches())
 
 
 def test_nemo_rl_files_from_before_token_masks_are_refused(tmp_path):
-    seq = as_float32(sequence(14, prompt=2, response=4))
-    write_nemo(tmp_path, [[seq]])
-    path = next(tmp_path.glob("**/train_data_step1.jsonl"))
-    line = json.loads(path.read_text())
-    for name in ("token_ids", "token_loss_mask", "sample_loss_mask", "advantages"):
-        line.pop(name)
-    path.write_text(json.dumps(line) + "\n")
+    def old_form(line):
+        for name in ("token_ids", "token_loss_mask", "sample_loss_mask", "advantages"):
+            line.pop(name)
+
+    _nemo_line_file(tmp_path, 14, old_form)
     with pytest.raises(ValueError, match=r"train_data_step1.jsonl:1: no token_loss_mask"):
         list(NemoRLReader(tmp_path).batches())
 
@@ -362,12 +361,7 @@ def test_nemo_rl_files_from_before_token_masks_are_refused(tmp_path):
     (lambda line: line.update(sample_loss_mask=[-1.0]), "sample_loss_mask is -1.0, expected a finite number >= 0"),
 ])
 def test_bad_nemo_rl_lines_are_one_line_naming_the_line(tmp_path, change, message):
-    seq = as_float32(sequence(15, prompt=3, response=6))
-    write_nemo(tmp_path, [[seq]])
-    path = next(tmp_path.glob("**/train_data_step1.jsonl"))
-    line = json.loads(path.read_text())
-    change(line)
-    path.write_text(json.dumps(line) + "\n")
+    _nemo_line_file(tmp_path, 15, change, prompt=3, response=6)
     with pytest.raises(ValueError) as error:
         list(NemoRLReader(tmp_path).batches())
     assert message in str(error.value) and "train_data_step1.jsonl:1" in str(error.value)
