@@ -13,7 +13,7 @@ from scipy import stats
 from test_stack_readers import mixed_sequences, write_miles, write_nemo, write_prime_rl
 
 from miles_mis.analyze.admission import StepMismatch, admit, drift, step_mismatch
-from miles_mis.analyze.admit_command import check_dumps, render
+from miles_mis.analyze.admit_command import NOT_ADMITTED, check_dumps, render
 from miles_mis.analyze.reading import CallBatch
 from miles_mis.cli import main
 
@@ -84,16 +84,19 @@ def _step(step, value):
     return StepMismatch(step, 1, 1 if value is not None else 0, 0, value, value, 0.0, 0.1)
 
 
-def test_admitted_only_when_every_step_is_measured_and_below():
-    assert admit([_step(0, 0.01), _step(1, 0.0149)]).admitted
-    refused = admit([_step(0, 0.01), _step(1, 0.015), _step(2, 0.2)])
+def test_admitted_only_when_every_required_step_is_measured_finite_and_below():
+    assert admit([_step(0, 0.01), _step(1, 0.0149)], required_steps=2).admitted
+    assert not admit([_step(0, 0.01), _step(1, 0.0149)]).admitted  # 2 of prime-rl's 20
+    refused = admit([_step(0, 0.01), _step(1, 0.015), _step(2, 0.2)], required_steps=3)
     assert not refused.admitted and refused.above == [1, 2]  # at the bar is not below it
-    empty = admit([_step(0, 0.001), _step(1, None)])
+    empty = admit([_step(0, 0.001), _step(1, None)], required_steps=2)
     assert not empty.admitted and empty.empty == [1] and empty.above == []
-    assert admit([_step(0, 0.02)], threshold=0.05).admitted
+    broken = admit([_step(0, 0.001), StepMismatch(1, 1, 5, 1, 0.001, 0.001, 0.0, 0.1)], required_steps=2)
+    assert not broken.admitted and broken.nonfinite == [1]
+    assert admit([_step(0, 0.02)], threshold=0.05, required_steps=1).admitted
 
 
-@pytest.mark.parametrize("threshold", [0, -1, math.inf, math.nan, "0.1"])
+@pytest.mark.parametrize("threshold", [0, -1, math.inf, math.nan, "0.1", True])
 def test_a_bad_threshold_is_one_line(threshold):
     with pytest.raises(ValueError, match="threshold must be a finite number > 0"):
         admit([_step(0, 0.01)], threshold)
@@ -139,18 +142,45 @@ def test_calls_per_step_groups_a_miles_dump_and_is_refused_where_the_format_name
 
 
 def test_the_cli_prints_the_verdict_writes_json_and_exits_by_it(tmp_path, capsys):
-    write_miles(tmp_path / "low", _steps_of([0.005] * 5))
+    write_miles(tmp_path / "low", _steps_of([0.005] * 20))
     assert main(["admit", str(tmp_path / "low"), "--json", str(tmp_path / "low.json")]) == 0
     out = capsys.readouterr().out
-    assert "ADMITTED: all 5 steps below 0.015" in out and "Only 5 of the rule's 20 steps" in out
+    assert "ADMITTED: all 20 steps below 0.015" in out
     assert "each call is taken as one step" in out and "Published new-model checks" in out
     report = json.loads((tmp_path / "low.json").read_text())
-    assert report["admitted"] and len(report["steps"]) == 5 and report["format"]["name"].startswith("miles")
+    assert report["admitted"] and len(report["steps"]) == 20 and report["format"]["name"].startswith("miles")
     write_miles(tmp_path / "high", _steps_of([0.005, 0.3, 0.005]))
-    assert main(["admit", str(tmp_path / "high")]) == 1
-    assert "NOT ADMITTED: steps 1 at or above" not in capsys.readouterr().out  # one step: singular
-    assert main(["admit", str(tmp_path / "high")]) == 1
+    assert main(["admit", str(tmp_path / "high"), "--required-steps", "3"]) == NOT_ADMITTED
     assert "NOT ADMITTED: step 1 at or above 0.015." in capsys.readouterr().out
+
+
+def test_fewer_steps_than_required_are_not_admitted(tmp_path, capsys):
+    write_miles(tmp_path, _steps_of([0.005] * 5))
+    assert main(["admit", str(tmp_path)]) == NOT_ADMITTED
+    assert "NOT ADMITTED: only 5 of the 20 required steps were measured" in capsys.readouterr().out
+    assert main(["admit", str(tmp_path), "--required-steps", "5"]) == 0
+
+
+def test_nonfinite_log_probs_on_trained_tokens_are_not_admitted(tmp_path, capsys):
+    steps = _steps_of([0.005] * 3)
+    steps[1][0]["rollout"][2] = float("nan")
+    write_miles(tmp_path, steps)
+    assert main(["admit", str(tmp_path), "--required-steps", "3"]) == NOT_ADMITTED
+    out = capsys.readouterr().out
+    assert "NOT ADMITTED: step 1 with NaN/inf log-probs on trained tokens" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("step"))
+    assert header.split()[:4] == ["step", "seqs", "tokens", "non-finite"]  # the table's column
+
+
+def test_miles_steps_follow_the_call_numbers_and_a_short_step_is_said(tmp_path):
+    """Calls 0, 2, 3 (call 1 not dumped) with 2 calls a step: steps 0 (call 0 alone) and 1 (calls 2, 3)."""
+    steps = _steps_of([0.01, 0.02, 0.03, 0.04])
+    write_miles(tmp_path, steps)
+    (tmp_path / "policy_loss_debug" / "rank_0_call_1.pt").unlink()
+    report = check_dumps(tmp_path, calls_per_step=2)
+    assert [s["step"] for s in report["steps"]] == [0, 1]
+    assert report["steps"][0]["sequences"] == len(steps[0]) and report["steps"][1]["sequences"] == 8
+    assert any("1 step(s) hold fewer than --calls-per-step 2 calls (step 0)" in w for w in report["warnings"])
 
 
 def test_a_growing_mismatch_is_said_to_grow(tmp_path):
@@ -174,9 +204,46 @@ def test_admit_on_the_tiny_model_judges_the_batches_measure_generates(tmp_path, 
              "5", "--batches", "3", "--dump-details", str(tmp_path / "dumps")]
     status = main(["admit", *flags, "--json", str(tmp_path / "admit.json")])
     report = json.loads((tmp_path / "admit.json").read_text())
-    assert status == (0 if report["admitted"] else 1)
+    assert status == NOT_ADMITTED and not report["admitted"]  # 3 of the 20 required steps
     assert len(report["steps"]) == 3 and "learning rate 0" in report["source"]
     again = check_dumps(tmp_path / "dumps")
     assert [s["k3"] for s in again["steps"]] == [s["k3"] for s in report["steps"]]
     assert all(s["k3"] > 0 for s in report["steps"])  # fp8 weights against a float32 trainer: a real mismatch
     assert "tiny on embedded, bf16 + fp8 weights" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the command line's two forms
+
+def test_both_forms_have_help_with_defaults(capsys):
+    for argv in (["admit", "--help"], ["admit", "somewhere", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert "--threshold" in out and "0.015" in out and "--required-steps" in out
+    main_help = capsys.readouterr()
+    assert main_help.err == ""
+
+
+def test_a_directory_after_a_flag_is_told_to_come_first(tmp_path, capsys):
+    assert main(["admit", "--threshold", "0.02", str(tmp_path)]) == 1
+    assert f"error: {tmp_path}: put the dump directory first" in capsys.readouterr().err
+
+
+def test_a_json_path_in_a_missing_folder_is_one_line_before_the_work(tmp_path, capsys):
+    write_miles(tmp_path / "dump", _steps_of([0.005]))
+    assert main(["admit", str(tmp_path / "dump"), "--json", str(tmp_path / "no" / "a.json")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --json {tmp_path / 'no' / 'a.json'}: the folder {tmp_path / 'no'} does not exist\n"
+
+
+def test_admit_on_a_nemo_rl_log_directory_and_an_empty_prime_rl_step(tmp_path, capsys):
+    write_nemo(tmp_path / "nemo", _steps_of([0.005, 0.01]))
+    assert main(["admit", str(tmp_path / "nemo" / "logs" / "exp_001"), "--required-steps", "2"]) == 0
+    assert "(NeMo RL train data), 2 steps" in capsys.readouterr().out
+    steps = _steps_of([0.005, 0.005])
+    for seq in steps[1]:
+        seq["mask"] = torch.zeros_like(seq["mask"])  # step 2 keeps no token: it must show, empty, not vanish
+    write_prime_rl(tmp_path / "prime", {(1, 0): [steps[0]], (2, 0): [steps[1]]})
+    report = check_dumps(tmp_path / "prime", required_steps=2)
+    assert [s["step"] for s in report["steps"]] == [1, 2] and report["empty"] == [2] and not report["admitted"]

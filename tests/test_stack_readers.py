@@ -434,3 +434,68 @@ def test_a_long_sequence_dump_cites_the_sequence_weight_rows_in_its_report(tmp_p
     assert code == 0, err
     assert "of the sequences' product ratio ∏ρ = exp(Σ l) leaves [0.5, 2] here" in out
     assert "NVIDIA-NeMo/RL" in out
+
+
+# --------------------------------------------------------------------------- prime-rl's finer points
+
+def _one_prime_line(tmp_path, line, stable=True, step=0):
+    directory = tmp_path / "token_exports" / f"step_{step}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "rank_0.jsonl"
+    path.write_text(path.read_text() + json.dumps(line) + "\n" if path.exists() else json.dumps(line) + "\n")
+    if stable:
+        (directory / "STABLE").touch()
+    return path
+
+
+def test_prime_rl_keeps_its_own_mismatch_mask_rl_or_reference_kl_weight(tmp_path):
+    """prime-rl's mismatch mask: loss_mask and (rl_weights ≠ 0 or ref_kl_weights ≠ 0); null weights keep the token."""
+    seq = as_float32(sequence(50, prompt=2, response=4))
+    line = prime_rl_line(0, 0, 0, 0, seq, 0, rl_weights=[None, None, 1.0, 0.0, 0.0, None])
+    line["ref_kl_weights"] = [None, None, 0.0, 1.0, 0.0, 0.0]
+    _one_prime_line(tmp_path, line)
+    (batch,) = list(PrimeRLReader(tmp_path).batches())
+    assert batch.loss_masks[0].tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_prime_rl_position_zero_is_never_a_trained_token(tmp_path):
+    """Its trainer log-prob is the exporter's pad log(1/V), not a log-prob: kept, it alone would read as k3 ≈ 2.4."""
+    seq = as_float32(sequence(51, prompt=1, response=3))
+    line = prime_rl_line(0, 0, 0, 0, seq, 0)
+    line["loss_mask"][0] = True
+    _one_prime_line(tmp_path, line)
+    (batch,) = list(PrimeRLReader(tmp_path).batches())
+    assert batch.response_lengths == [3]  # the span starts after position 0
+    assert torch.equal(batch.old_log_probs[0], seq["old"])
+
+
+def test_prime_rl_multi_run_exports_check_export_step_against_the_path(tmp_path):
+    seq = as_float32(sequence(52, prompt=2, response=3))
+    line = {**prime_rl_line(117, 0, 0, 0, seq, 0), "export_step": 5, "run_id": "r1"}  # trainer step 117
+    _one_prime_line(tmp_path, line, step=5)
+    (batch,) = list(PrimeRLReader(tmp_path).batches())
+    assert torch.equal(batch.old_log_probs[0], seq["old"])
+
+
+def test_a_half_written_last_line_of_an_unstable_step_is_counted_with_allow_partial(tmp_path):
+    seq = as_float32(sequence(53, prompt=2, response=3))
+    path = _one_prime_line(tmp_path, prime_rl_line(0, 0, 0, 0, seq, 0), stable=False)
+    path.write_text(path.read_text() + json.dumps(prime_rl_line(0, 0, 0, 1, seq, 1))[:40] + "\n")
+    reader = PrimeRLReader(tmp_path, allow_partial=True)
+    assert sum(len(batch.calls) for batch in reader.batches()) == 1
+    assert any("1 half-written last line(s) of steps without STABLE left out" in w for w in reader.warnings)
+    (path.parent / "STABLE").touch()  # a finished step holds no cut line: the same line is an error there
+    with pytest.raises(ValueError, match=r"rank_0.jsonl:2: not a JSON line"):
+        list(PrimeRLReader(tmp_path).batches())
+
+
+def test_a_number_beyond_float_range_is_one_line(tmp_path):
+    seq = as_float32(sequence(54, prompt=2, response=3))
+    line = prime_rl_line(0, 0, 0, 0, seq, 0)
+    path = _one_prime_line(tmp_path, line)
+    first = json.dumps(line["trainer_logprobs"][0])
+    text = path.read_text()
+    assert text.count(f'"trainer_logprobs": [{first},') == 1
+    path.write_text(text.replace(f'"trainer_logprobs": [{first},', '"trainer_logprobs": [' + "9" * 400 + ","))
+    with pytest.raises(ValueError, match=r"rank_0.jsonl:1: trainer_logprobs holds a number beyond the float range"):
+        list(PrimeRLReader(tmp_path).batches())

@@ -10,9 +10,10 @@ step, pooled over micro-batches and ranks,
 (Schulman's k3 estimate of KL(π_engine ‖ π_train) on tokens the engine sampled). This module computes that per step
 (``step_mismatch``), beside the sequence-mean k3 that miles' host reduction gives and the k1 estimate
 mean(−ℓ); the drift over the steps (``drift``: the least-squares slope of k3_step against the step with its 95 %
-t interval, and the last quarter's mean over the first's); and the verdict (``admit``): admitted when every step
-is below the threshold. The rule itself does not fix the learning rate; a check at learning rate 0 (the weights
-never move) measures the numerics alone, with no policy lag, which is how the lab runs it.
+t interval, and the last quarter's mean over the first's); and the verdict (``admit``): admitted when at least the
+required number of steps (20) were measured and every step is finite and below the threshold. The rule itself
+does not fix the learning rate; a check at learning rate 0 (the weights never move) measures the numerics alone,
+with no policy lag, which is how the lab runs it.
 
 A growing mismatch at learning rate 0 is the failure a short check can miss (open-instruct 1473: OLMo-3-7B's drift
 kept growing with the weights frozen), so the verdict states the drift beside the threshold.
@@ -112,28 +113,38 @@ def drift(k3_by_step: Sequence[tuple[int, float]]) -> Drift | None:
 @dataclass(frozen=True)
 class Admission:
     threshold: float
+    required_steps: int
     steps: list[StepMismatch]
     above: list[int]  # the steps at or above the threshold
     empty: list[int]  # the steps without a usable token (no verdict on them)
+    nonfinite: list[int]  # the steps with a NaN/inf log-prob on a trained token (prime-rl's mean would be NaN)
     drift: Drift | None
-    admitted: bool  # every step measured and below the threshold
+    admitted: bool  # at least required_steps steps, every one measured, finite and below the threshold
 
     def as_dict(self) -> dict:
-        return {"threshold": self.threshold, "admitted": self.admitted, "above": self.above, "empty": self.empty,
+        return {"threshold": self.threshold, "required_steps": self.required_steps, "admitted": self.admitted,
+                "above": self.above, "empty": self.empty, "nonfinite": self.nonfinite,
                 "drift": None if self.drift is None else asdict(self.drift),
                 "steps": [asdict(step) for step in self.steps]}
 
 
-def admit(steps: Sequence[StepMismatch], threshold: float = PRIME_RL_THRESHOLD) -> Admission:
-    """Admitted when there is at least one step, every step has usable tokens and each step's k3 < threshold."""
-    if not (isinstance(threshold, (int, float)) and 0 < threshold < math.inf):
+def admit(steps: Sequence[StepMismatch], threshold: float = PRIME_RL_THRESHOLD,
+          required_steps: int = PRIME_RL_STEPS) -> Admission:
+    """Admitted when there are at least ``required_steps`` steps and every one has usable tokens, no NaN/inf log-prob
+    on a trained token (prime-rl's token mean would be NaN there, which fails its bar) and k3 < threshold."""
+    if isinstance(threshold, bool) or not (isinstance(threshold, (int, float)) and 0 < threshold < math.inf):
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
+    if isinstance(required_steps, bool) or not isinstance(required_steps, int) or required_steps < 1:
+        raise ValueError(f"required steps must be an integer >= 1, got {required_steps!r}")
     if not steps:
         raise ValueError("no step to judge: the dumps hold no call")
     above = [s.step for s in steps if s.k3 is not None and s.k3 >= threshold]
     empty = [s.step for s in steps if s.k3 is None]
+    nonfinite = [s.step for s in steps if s.nonfinite_tokens]
     measured = [(s.step, s.k3) for s in steps if s.k3 is not None]
-    return Admission(float(threshold), list(steps), above, empty, drift(measured), not above and not empty)
+    admitted = not above and not empty and not nonfinite and len(steps) >= required_steps
+    return Admission(float(threshold), required_steps, list(steps), above, empty, nonfinite, drift(measured),
+                     admitted)
 
 
 def steps_of_calls(call_steps: Mapping[int, int]) -> dict[int, list[int]]:

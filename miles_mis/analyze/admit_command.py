@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dump_dir", type=Path, help="a dump directory of any format `miles-mis analyze` reads")
     add_verdict_arguments(parser)
     parser.add_argument("--calls-per-step", type=int, default=None, metavar="N",
-                        help="miles / slime dumps: policy-loss calls per training step (micro-batches × data-"
-                             "parallel ranks that dump); the other formats name their steps (default: %(default)s "
-                             "= each call one step, said in the output)")
+                        help="miles / slime dumps: policy-loss calls per training step (the micro-batches of one "
+                             "step; the dump's ranks are one data-parallel group); step = call number // N. The other "
+                             "formats name their steps (default: %(default)s = each call one step, said in the "
+                             "output)")
     parser.add_argument("--allow-partial", action="store_true",
                         help="read an incomplete dump (missing ranks, a prime-rl step without STABLE) with a "
                              "warning (default: %(default)s)")
@@ -44,6 +45,9 @@ def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags the dump form and the lab form share."""
     parser.add_argument("--threshold", type=float, default=PRIME_RL_THRESHOLD,
                         help="admitted when every step's token-mean k3 is below this (prime-rl's bar) "
+                             "(default: %(default)s)")
+    parser.add_argument("--required-steps", type=int, default=PRIME_RL_STEPS, metavar="N",
+                        help="fewer measured steps than this are not admitted (prime-rl's table has 20) "
                              "(default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
                         help="also write the steps, drift and verdict as JSON (default: %(default)s)")
@@ -59,20 +63,31 @@ def step_batches(opened, calls_per_step: int | None) -> Iterator[tuple[int, Call
     per_step = 1 if calls_per_step is None else calls_per_step
     if per_step < 1:
         raise ValueError(f"--calls-per-step must be an integer >= 1, got {per_step}")
-    for position, batch in enumerate(opened.reader.batches()):
-        yield position // per_step, batch
+    for batch in opened.reader.batches():  # a miles call batch holds one call; its number places it in time
+        yield batch.calls[0] // per_step, batch
 
 
 def check_dumps(directory: Path, threshold: float = PRIME_RL_THRESHOLD, calls_per_step: int | None = None,
-                allow_partial: bool = False) -> dict[str, Any]:
+                allow_partial: bool = False, required_steps: int = PRIME_RL_STEPS) -> dict[str, Any]:
     """The admission of one dump directory, and where its mismatch lives: a dict for ``render`` and ``--json``."""
     opened = open_dump(directory, allow_partial=allow_partial)
-    steps = [step_mismatch(step, (batch for _, batch in group))
-             for step, group in itertools.groupby(step_batches(opened, calls_per_step), key=lambda pair: pair[0])]
-    result = admit(steps, threshold)
+    steps, calls, seen = [], {}, set()
+    for step, group in itertools.groupby(step_batches(opened, calls_per_step), key=lambda pair: pair[0]):
+        if step in seen:  # every reader yields a step's calls together; a step met twice would be pooled wrongly
+            raise ValueError(f"{directory}: step {step} appears in two places in the dump's order")
+        seen.add(step)
+        batches = [batch for _, batch in group]
+        calls[step] = len(batches)
+        steps.append(step_mismatch(step, batches))
+    result = admit(steps, threshold, required_steps)
+    warnings = list(opened.reader.warnings)
+    short = [step for step, count in calls.items() if calls_per_step and count < calls_per_step]
+    if short:
+        warnings.append(f"{len(short)} step(s) hold fewer than --calls-per-step {calls_per_step} calls (step "
+                        f"{_steps(short)}): calls missing from the dump (--dump-interval, a cut run)")
     statistics = compute(opened.reader.batches())
     return {"source": str(directory), "format": opened.format.as_dict(), "calls_per_step": calls_per_step,
-            "warnings": list(opened.reader.warnings), **result.as_dict(), "where": where_it_lives(statistics),
+            "warnings": warnings, **result.as_dict(), "where": where_it_lives(statistics),
             "published": published.admission_sentence(published.load())}
 
 
@@ -100,16 +115,14 @@ def render(report: dict[str, Any]) -> str:
         lines.append("  each call is taken as one step (pass --calls-per-step N when a step has N calls)")
     lines += [f"  warning: {warning}" for warning in report["warnings"]]
     lines.append("")
-    lines.append(f"{'step':>6} {'seqs':>6} {'tokens':>8} {'k3 (tokens)':>12} {'k3 (seqs)':>10} {'k1':>10} "
-                 f"{'max |l|':>8}")
+    lines.append(f"{'step':>6} {'seqs':>6} {'tokens':>8} {'non-finite':>10} {'k3 (tokens)':>12} {'k3 (seqs)':>10} "
+                 f"{'k1':>10} {'max |l|':>8}")
     for step in report["steps"]:
         mark = "  <- at or above" if step["step"] in report["above"] else ""
-        lines.append(f"{step['step']:>6} {step['sequences']:>6} {step['tokens']:>8} {_num(step['k3']):>12} "
-                     f"{_num(step['k3_sequence_mean']):>10} {_num(step['kl']):>10} "
+        lines.append(f"{step['step']:>6} {step['sequences']:>6} {step['tokens']:>8} {step['nonfinite_tokens']:>10} "
+                     f"{_num(step['k3']):>12} {_num(step['k3_sequence_mean']):>10} {_num(step['kl']):>10} "
                      f"{_num(step['max_abs_log_ratio'], '.3f'):>8}{mark}")
     lines += ["", verdict_line(report), drift_line(report)]
-    if report.get("steps_expected") and len(report["steps"]) < report["steps_expected"]:
-        lines.append(f"Only {len(report['steps'])} of the rule's {report['steps_expected']} steps were measured.")
     where = report["where"]
     if where["first_token_share"] is not None:
         lines.append(f"Where it lives (all steps, k3 {_num(where['k3_all_steps'])}): first tokens carry "
@@ -130,6 +143,12 @@ def verdict_line(report: dict[str, Any]) -> str:
                 f"at step {worst['step']}). This says what was measured on these steps, not that the mismatch is "
                 "safe beyond them.")
     parts = []
+    if len(report["steps"]) < report["required_steps"]:
+        parts.append(f"only {len(report['steps'])} of the {report['required_steps']} required steps were measured "
+                     "(--required-steps sets the count)")
+    if report["nonfinite"]:
+        parts.append(f"step{'s' if len(report['nonfinite']) > 1 else ''} {_steps(report['nonfinite'])} with NaN/inf "
+                     "log-probs on trained tokens (an engine or trainer bug: prime-rl's mean would be NaN)")
     if report["above"]:
         parts.append(f"step{'s' if len(report['above']) > 1 else ''} {_steps(report['above'])} at or above "
                      f"{report['threshold']:g}")
@@ -157,13 +176,22 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
 
 
+NOT_ADMITTED = 2  # the exit status of a check that ran and failed (1 is an error: the check did not run)
+
+
+def check_json_path(path: Path | None) -> None:
+    """Before the work: a ``--json`` file whose folder does not exist is one line, not a traceback at the end."""
+    if path is not None and not path.parent.is_dir():
+        raise ValueError(f"--json {path}: the folder {path.parent} does not exist")
+
+
 def run(args: argparse.Namespace) -> int:
-    report = check_dumps(args.dump_dir, args.threshold, args.calls_per_step, args.allow_partial)
-    report["steps_expected"] = PRIME_RL_STEPS
+    check_json_path(args.json)
+    report = check_dumps(args.dump_dir, args.threshold, args.calls_per_step, args.allow_partial, args.required_steps)
     print(render(report))
     if args.json is not None:
         write_json(args.json, report)
-    return 0 if report["admitted"] else 1
+    return 0 if report["admitted"] else NOT_ADMITTED
 
 
 def _steps(steps: list[int]) -> str:
@@ -179,4 +207,5 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f} %"
 
 
-__all__ = ["Admission", "add_arguments", "add_verdict_arguments", "check_dumps", "render", "run", "write_json"]
+__all__ = ["NOT_ADMITTED", "Admission", "add_arguments", "add_verdict_arguments", "check_dumps", "check_json_path",
+           "render", "run", "write_json"]

@@ -187,6 +187,11 @@ def _admit(argv: list[str]) -> int:
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         admit_command.add_arguments(parser)
         return _run_lab(admit_command.run, parser.parse_args(argv))
+    stray = [arg for before, arg in zip(["", *argv], argv)
+             if not arg.startswith("-") and not before.startswith("-") and Path(arg).is_dir()]
+    if stray:  # a directory after a flag's value: argparse would read the lab form and call it unrecognized
+        print(f"error: {stray[0]}: put the dump directory first: miles-mis admit DUMP_DIR [flags]", file=sys.stderr)
+        return 1
     from ..lab.admit import main as admit_main
 
     return _run_lab(admit_main, argv)

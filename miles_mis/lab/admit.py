@@ -8,7 +8,8 @@ trainer, exactly as ``miles-mis measure`` does: the weights never move, so this 
 the numerics alone with no policy lag. The batches are written as miles policy-loss dumps (``--dump-details DIR``,
 else a temporary folder), one call a step, and judged by the same code as ``miles-mis admit DUMP_DIR``
 (``miles_mis.analyze.admit_command``): per step the token-mean k3, prime-rl's ``mismatch_kl/all/mean``; the drift;
-the verdict against ``--threshold`` (0.015); where the mismatch lives. Exit status 0 when admitted, 1 when not.
+the verdict against ``--threshold`` (0.015); where the mismatch lives. Exit status 0 when admitted, 2 when not,
+1 on an error.
 The same command reads a series of a user's dumps: ``miles-mis admit DUMP_DIR --help``.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from .. import reference_host
 from ..analyze.admission import PRIME_RL_STEPS
-from ..analyze.admit_command import add_verdict_arguments, check_dumps, render, write_json
+from ..analyze.admit_command import NOT_ADMITTED, add_verdict_arguments, check_dumps, check_json_path, render, \
+    write_json
 from . import flags
 from .dump import PolicyLossDumper, policy_loss_record
 from .measure import rollout_batches, setting_name
@@ -43,21 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, build_parser())
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    check_json_path(args.json)
     temporary = tempfile.TemporaryDirectory(prefix="miles-mis-admit-") if args.dump_details is None else None
     dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
     try:
         dumper = PolicyLossDumper(dump_dir, 0)
         for batch, _ in rollout_batches(args):
             dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
-        report = check_dumps(dump_dir, args.threshold, calls_per_step=1)
+        report = check_dumps(dump_dir, args.threshold, calls_per_step=1, required_steps=args.required_steps)
     finally:
         if temporary is not None:
             temporary.cleanup()
     report["source"] = (f"the lab's {args.model} on {args.engine}, {setting_name(args)}, learning rate 0, "
                         f"{args.prompts_per_step} × {args.group_size} samples a step, seed {args.seed}")
-    report["calls_per_step"] = 1
-    report["steps_expected"] = PRIME_RL_STEPS
     print(render(report))
     if args.json is not None:
         write_json(args.json, report)
-    return 0 if report["admitted"] else 1
+    return 0 if report["admitted"] else NOT_ADMITTED

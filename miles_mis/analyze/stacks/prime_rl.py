@@ -20,6 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from ..reading import CallBatch
 from .sequences import Response, call_batch, integer_field, json_lines, mask_column, number_column, response, \
     same_lengths
@@ -68,6 +70,8 @@ class PrimeRLReader:
                 self.warnings.append(f"{what}: left out; pass --allow-partial to read them")
                 for step in unstable:
                     del by_step[step]
+        self._unstable = {by_step[step][0].parent for step in unstable if step in by_step}
+        self._cut_lines: list[str] = []  # the half-written last lines of unstable steps read with --allow-partial
         self.files = [path for step in sorted(by_step) for path in sorted(by_step[step], key=_rank_of)]
         if not self.files:
             raise ValueError(f"{self.directory}: the prime-rl export holds no complete step (no step directory has "
@@ -85,23 +89,34 @@ class PrimeRLReader:
         self._empty = 0
         for path in self.files:
             step = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1))
-            for micro_step, responses in sorted(self._read_file(path).items()):
+            micro_batches = self._read_file(path)
+            if not micro_batches:  # every sequence of this file keeps no token: the step is there, and empty
+                micro_batches = {0: []}
+            for micro_step, responses in sorted(micro_batches.items()):
                 yield step, call_batch(call, responses)
                 call += 1
+        if self._cut_lines:
+            self._warn(f"{len(self._cut_lines)} half-written last line(s) of steps without STABLE left out, e.g. "
+                       f"{self._cut_lines[0]}")
         if self._empty:
-            warning = (f"{self._empty} exported sequences keep no token (loss_mask all false, or rl_weights 0 "
-                       "wherever it is true): left out")
-            if warning not in self.warnings:
-                self.warnings.append(warning)
+            self._warn(f"{self._empty} exported sequences keep no token (loss_mask all false, or rl_weights and "
+                       "ref_kl_weights 0 wherever it is true): left out")
+
+    def _warn(self, warning: str) -> None:
+        if warning not in self.warnings:
+            self.warnings.append(warning)
 
     def _read_file(self, path: Path) -> dict[int, list[Response]]:
         step, rank = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1)), _rank_of(path)
         by_micro_step: dict[int, list[Response]] = defaultdict(list)
         seen: dict[tuple[int, int], str] = {}
-        for where, record in json_lines(path):
+        cut = self._cut_lines if path.parent in self._unstable else None
+        for where, record in json_lines(path, cut_last_line=cut):
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: a {type(record).__name__}, not a prime-rl token-export record (an object)")
-            for name, expected in (("step", step), ("rank", rank)):
+            # multi-run exports (prime-rl June-August 2026) name the directory by export_step, not by the trainer step
+            path_step = "export_step" if "export_step" in record else "step"
+            for name, expected in ((path_step, step), ("rank", rank)):
                 if integer_field(where, record, name) != expected:
                     raise ValueError(f"{where}: the record says {name} {record[name]} but its path says {expected} "
                                      "(renamed or copied over?)")
@@ -120,21 +135,25 @@ class PrimeRLReader:
 
 
 def read_record(where: str, record: dict, index: int) -> Response | None:
-    """One line's response span; the kept tokens are ``loss_mask`` and, where ``rl_weights`` is given, weight ≠ 0
-    (the tokens of prime-rl's RL loss)."""
+    """One line's response span. The kept tokens are prime-rl's own mismatch mask (train.py at 559b4477): ``loss_mask``
+    and, where the weight columns are given, ``rl_weights`` ≠ 0 or ``ref_kl_weights`` ≠ 0; never position 0."""
     columns = {"loss_mask": mask_column(where, record, "loss_mask"),
                "trainer_logprobs": number_column(where, record, "trainer_logprobs", nullable=True),
                "inference_logprobs": number_column(where, record, "inference_logprobs", nullable=True),
                "advantages": number_column(where, record, "advantages", nullable=True),
-               "rl_weights": number_column(where, record, "rl_weights", nullable=True)}
+               "rl_weights": number_column(where, record, "rl_weights", nullable=True),
+               "ref_kl_weights": number_column(where, record, "ref_kl_weights", nullable=True)}
     for name in ("loss_mask", "trainer_logprobs", "inference_logprobs"):
         if columns[name] is None:
             raise ValueError(f"{where}: no {name} (a prime-rl token export line has loss_mask, trainer_logprobs "
                              "and inference_logprobs per token)")
     same_lengths(where, columns)
-    mask = columns["loss_mask"]
-    if columns["rl_weights"] is not None:
-        mask = mask * (columns["rl_weights"].nan_to_num(0.0) != 0)
+    mask = columns["loss_mask"].clone()
+    mask[:1] = 0  # position 0 has no trainer log-prob (the exporter pads it with log(1/V))
+    weights = [columns[name] for name in ("rl_weights", "ref_kl_weights") if columns[name] is not None]
+    if weights:  # prime-rl's mismatch mask: a loss token of the RL or the reference-KL term; null (NaN) keeps it
+        in_a_term = torch.stack([weight.nan_to_num(1.0) != 0 for weight in weights]).any(0)
+        mask = mask * in_a_term
     return response(index, columns["trainer_logprobs"], columns["inference_logprobs"], mask, columns["advantages"])
 
 

@@ -32,18 +32,25 @@ class Response:
     advantages: Tensor | None
 
 
-def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+def json_lines(path: Path, cut_last_line: list[str] | None = None) -> Iterator[tuple[str, Any]]:
     """(``path:line``, the parsed line) for every non-blank line; a line that is not JSON is one error naming it.
-    Python's parser also takes the NaN / Infinity tokens that NeMo RL's writer emits."""
+    Python's parser also takes the NaN / Infinity tokens that NeMo RL's writer emits.
+
+    ``cut_last_line``: for a file still being written, the last line may be cut off mid-record: it is left out and
+    its ``path:line`` appended to this list, instead of an error (any earlier bad line is still one)."""
     with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not a JSON line ({error.msg} at column {error.colno})") from None
+        lines = [(number, line) for number, line in enumerate(handle, start=1) if line.strip()]
+    for position, (number, line) in enumerate(lines):
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except ValueError as error:  # JSONDecodeError, and the int-too-long error of a 4,300-digit number
+            if cut_last_line is not None and position == len(lines) - 1:
+                cut_last_line.append(where)
+                return
+            detail = f"{error.msg} at column {error.colno}" if isinstance(error, json.JSONDecodeError) else error
+            raise ValueError(f"{where}: not a JSON line ({detail})") from None
+        yield where, record
 
 
 def number_column(where: str, record: dict, name: str, *, nullable: bool) -> Tensor | None:
@@ -62,7 +69,10 @@ def number_column(where: str, record: dict, name: str, *, nullable: bool) -> Ten
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             allowed = "numbers or null" if nullable else "numbers"
             raise ValueError(f"{where}: {name}[{position}] is {value!r}; expected {allowed}")
-    return torch.tensor([math.nan if value is None else float(value) for value in values], dtype=torch.float64)
+    try:
+        return torch.tensor([math.nan if value is None else float(value) for value in values], dtype=torch.float64)
+    except OverflowError:  # an integer beyond float range
+        raise ValueError(f"{where}: {name} holds a number beyond the float range") from None
 
 
 def mask_column(where: str, record: dict, name: str) -> Tensor | None:
