@@ -44,7 +44,7 @@ def run(settings: list[str], results: Path) -> None:
             status = subprocess.run([sys.executable, "-m", "miles_mis.cli", "admit", *SHAPE, *SETTINGS[name],
                                      "--json", str(report_path)]).returncode
             seconds = time.perf_counter() - started
-            if status not in (0, 1):  # 0 admitted, 1 not: anything else is a failed run
+            if status not in (0, 2):  # 0 admitted, 2 not: 1 (an error) or anything else is a failed run
                 raise SystemExit(f"admission: {name}: miles-mis admit exited {status}")
             report = json.loads(report_path.read_text())
         append_result(results, {"setting": name, "flags": [*SHAPE, *SETTINGS[name]], "machine": machine(),
