@@ -306,10 +306,14 @@ def assert_advice_cites_published_runs(analysis, k3):
     the shipped lab curve and the published outcomes, with a collapse and the step it came at, the Qwen3-14B-Base
     collapse at vllm-kl (= k3) 5e-4..1e-3 named wherever the dump's k3 reaches 5e-4, and never "safe" or "not a
     need"."""
-    from miles_mis.analyze import safe_level
+    from miles_mis.analyze import published, safe_level
 
-    text = json.loads((analysis / "report.json").read_text())["safe_level"]
-    assert text == safe_level.sentence(k3, safe_level.load()) and text in (analysis / "report.md").read_text()
+    report = json.loads((analysis / "report.json").read_text())
+    text = report["safe_level"]
+    assert text in (analysis / "report.md").read_text()
+    level = safe_level.sentence(k3, safe_level.load())
+    lengths = published.sequence_weight_sentence(report, published.load())  # the dump's ∏ρ share decides it
+    assert text == (level if lengths is None else f"{level} {lengths}")
     assert "Safe by" not in text and "not a need" not in text and " is safe" not in text
     assert "Qwen3-30B-A3B-Base collapsed by step 320" in text and "Corrections that held in published runs" in text
     if k3 >= 5e-4:
