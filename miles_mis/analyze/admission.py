@@ -28,9 +28,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from scipy import stats
 
-from ..tensors import ops
-from .estimators import k3_terms
 from .reading import CallBatch
+from .statistics import token_table
 
 PRIME_RL_THRESHOLD = 0.015  # prime-rl docs/development.md, "Requirements for merging a new model"
 PRIME_RL_STEPS = 20
@@ -50,30 +49,31 @@ class StepMismatch:
 
 
 def step_mismatch(step: int, batches: Iterable[CallBatch]) -> StepMismatch:
-    """The mismatch of one step's batches: every trained token of every sequence, pooled."""
-    sums = {"sequences": 0, "tokens": 0, "nonfinite": 0, "k3": 0.0, "k1": 0.0, "sequence_means": 0.0,
-            "counted_sequences": 0, "max_abs": 0.0}
+    """The mismatch of one step's batches: every trained token of every sequence, pooled (the analyzer's
+    ``token_table``, so a usable token and its k3 term are the statistics' own)."""
+    sequences = tokens = nonfinite = counted = 0
+    k3_sum = k1_sum = sequence_means = max_abs = 0.0
     for batch in batches:
-        for old, rollout, mask in zip(batch.old_log_probs, batch.rollout_log_probs, batch.loss_masks):
-            old, rollout = old.double(), rollout.double()
-            valid = mask != 0
-            usable = ops.usable_tokens(old, rollout, valid.double()) > 0
-            ell = (old - rollout)[usable]
-            k3 = k3_terms(ell)
-            sums["sequences"] += 1
-            sums["tokens"] += int(usable.sum())
-            sums["nonfinite"] += int((valid & ~usable).sum())
-            sums["k3"] += float(k3.sum())
-            sums["k1"] += float(-ell.sum())
-            if ell.numel():
-                sums["sequence_means"] += float(k3.mean())
-                sums["counted_sequences"] += 1
-                sums["max_abs"] = max(sums["max_abs"], float(ell.abs().max()))
-    tokens, counted = sums["tokens"], sums["counted_sequences"]
-    return StepMismatch(step, sums["sequences"], tokens, sums["nonfinite"],
-                        sums["k3"] / tokens if tokens else None,
-                        sums["sequence_means"] / counted if counted else None,
-                        sums["k1"] / tokens if tokens else None, sums["max_abs"] if tokens else None)
+        sequences += len(batch.calls)
+        if not batch.calls:
+            continue
+        table = token_table(batch)
+        usable = table["usable"]
+        per_sequence = torch.zeros(len(batch.calls), dtype=torch.float64)
+        k3_per_sequence = per_sequence.index_add(0, table["seq"], table["k3"])
+        usable_per_sequence = per_sequence.index_add(0, table["seq"], usable.double())
+        held = usable_per_sequence > 0
+        tokens += int(usable.sum())
+        nonfinite += int((table["valid"] & ~usable).sum())
+        k3_sum += float(table["k3"].sum())
+        k1_sum += float(-table["ell"].sum())  # ℓ is 0 on tokens that are not usable
+        sequence_means += float((k3_per_sequence[held] / usable_per_sequence[held]).sum())
+        counted += int(held.sum())
+        if usable.any():
+            max_abs = max(max_abs, float(table["ell"][usable].abs().max()))
+    return StepMismatch(step, sequences, tokens, nonfinite, k3_sum / tokens if tokens else None,
+                        sequence_means / counted if counted else None, k1_sum / tokens if tokens else None,
+                        max_abs if tokens else None)
 
 
 @dataclass(frozen=True)

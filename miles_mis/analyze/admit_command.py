@@ -23,7 +23,7 @@ from . import published
 from .admission import PRIME_RL_STEPS, PRIME_RL_THRESHOLD, Admission, admit, step_mismatch
 from .reading import CallBatch
 from .stacks import open_dump
-from .statistics import compute
+from .statistics import StatisticsAccumulator
 
 LOW_PROB = 0.1  # "low-probability tokens": the engine gave the sampled token less than this
 
@@ -72,11 +72,14 @@ def check_dumps(directory: Path, threshold: float = PRIME_RL_THRESHOLD, calls_pe
     """The admission of one dump directory, and where its mismatch lives: a dict for ``render`` and ``--json``."""
     opened = open_dump(directory, allow_partial=allow_partial)
     steps, calls, seen = [], {}, set()
+    accumulator = StatisticsAccumulator()  # where it lives, from the same single read of the dump
     for step, group in itertools.groupby(step_batches(opened, calls_per_step), key=lambda pair: pair[0]):
         if step in seen:  # every reader yields a step's calls together; a step met twice would be pooled wrongly
             raise ValueError(f"{directory}: step {step} appears in two places in the dump's order")
         seen.add(step)
         batches = [batch for _, batch in group]
+        for batch in batches:
+            accumulator.update(batch)
         calls[step] = len(batches)
         steps.append(step_mismatch(step, batches))
     result = admit(steps, threshold, required_steps)
@@ -85,7 +88,7 @@ def check_dumps(directory: Path, threshold: float = PRIME_RL_THRESHOLD, calls_pe
     if short:
         warnings.append(f"{len(short)} step(s) hold fewer than --calls-per-step {calls_per_step} calls (step "
                         f"{_steps(short)}): calls missing from the dump (--dump-interval, a cut run)")
-    statistics = compute(opened.reader.batches())
+    statistics = accumulator.result()
     return {"source": str(directory), "format": opened.format.as_dict(), "calls_per_step": calls_per_step,
             "warnings": warnings, **result.as_dict(), "where": where_it_lives(statistics),
             "published": published.admission_sentence(published.load())}

@@ -79,7 +79,7 @@ class StatisticsAccumulator:
     def update(self, batch: CallBatch) -> None:
         if not batch.calls:
             return
-        tokens = _tokens(batch)
+        tokens = token_table(batch)
         self._whole(tokens, batch)
         self.truncation = _truncation_sums(self.truncation, local_values(tokens["ell"], tokens["usable"]))
         usable = tokens["usable"]
@@ -231,8 +231,10 @@ def _truncation_sums(total: Tensor, values: Tensor) -> Tensor:
     return _truncation.combine(torch.stack([total, values]))
 
 
-def _tokens(batch: CallBatch) -> dict[str, Tensor]:
-    """The batch's tokens concatenated (float64), with the plugin's notion of a usable token."""
+def token_table(batch: CallBatch) -> dict[str, Tensor]:
+    """The batch's tokens concatenated (float64), with the plugin's notion of a usable token: per token its sequence
+    (``seq``), ``valid`` (loss mask ≠ 0), ``usable``, ℓ = old − rollout (``ell``, 0 where not usable) and its k3 term
+    (``k3``, 0 where not usable), among others. A batch with no sequence has no table: callers skip it."""
     lengths = torch.tensor([t.numel() for t in batch.old_log_probs], dtype=torch.long)
     seq = torch.repeat_interleave(torch.arange(len(batch.calls)), lengths)
     old = torch.cat(batch.old_log_probs).double()
