@@ -49,8 +49,7 @@ class PrimeRLReader:
         by_step: dict[int, list[Path]] = defaultdict(list)
         owner: dict[tuple[int, int], Path] = {}
         for path in export_files(self.directory):
-            step, rank = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1)), \
-                int(RANK_FILE.fullmatch(path.name).group(1))
+            step, rank = _step_of(path), _rank_of(path)
             if (step, rank) in owner:
                 raise ValueError(f"step {step} rank {rank} appears twice: {owner[step, rank]} and {path} (exports of "
                                  "two runs? analyse one run's directory)")
@@ -88,7 +87,7 @@ class PrimeRLReader:
         call = 0
         self._empty = 0
         for path in self.files:
-            step = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1))
+            step = _step_of(path)
             micro_batches = self._read_file(path)
             if not micro_batches:  # every sequence of this file keeps no token: the step is there, and empty
                 micro_batches = {0: []}
@@ -107,7 +106,7 @@ class PrimeRLReader:
             self.warnings.append(warning)
 
     def _read_file(self, path: Path) -> dict[int, list[Response]]:
-        step, rank = int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1)), _rank_of(path)
+        step, rank = _step_of(path), _rank_of(path)
         by_micro_step: dict[int, list[Response]] = defaultdict(list)
         seen: dict[tuple[int, int], str] = {}
         cut = self._cut_lines if path.parent in self._unstable else None
@@ -155,6 +154,10 @@ def read_record(where: str, record: dict, index: int) -> Response | None:
         in_a_term = torch.stack([weight.nan_to_num(1.0) != 0 for weight in weights]).any(0)
         mask = mask * in_a_term
     return response(index, columns["trainer_logprobs"], columns["inference_logprobs"], mask, columns["advantages"])
+
+
+def _step_of(path: Path) -> int:
+    return int(STEP_DIRECTORY.fullmatch(path.parent.name).group(1))
 
 
 def _rank_of(path: Path) -> int:
