@@ -225,8 +225,12 @@ def test_both_forms_have_help_with_defaults(capsys):
     assert main_help.err == ""
 
 
-def test_a_directory_after_a_flag_is_told_to_come_first(tmp_path, capsys):
-    assert main(["admit", "--threshold", "0.02", str(tmp_path)]) == 1
+@pytest.mark.parametrize("flags", [["--threshold", "0.02"], ["--router-replay"], ["--allow-partial"],
+                                   ["--json", "out.json", "--router-replay"]])
+def test_a_directory_after_a_flag_is_told_to_come_first(tmp_path, capsys, flags):
+    """After a flag with a value or a flag without one (``--router-replay`` is the lab form's, ``--allow-partial``
+    the dump form's), a directory is told to come first."""
+    assert main(["admit", *flags, str(tmp_path)]) == 1
     assert f"error: {tmp_path}: put the dump directory first" in capsys.readouterr().err
 
 

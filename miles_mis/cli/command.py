@@ -187,12 +187,16 @@ def _admit(argv: list[str]) -> int:
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         admit_command.add_arguments(parser)
         return _run_lab(admit_command.run, parser.parse_args(argv))
-    stray = [arg for before, arg in zip(["", *argv], argv)
-             if not arg.startswith("-") and not before.startswith("-") and Path(arg).is_dir()]
-    if stray:  # a directory after a flag's value: argparse would read the lab form and call it unrecognized
+    from ..lab.admit import build_parser as lab_admit_parser
+    from ..lab.admit import main as admit_main
+
+    # A directory after the flags is left over by the lab form's parser (it takes no positional): the user meant
+    # the dump form, so say where the directory goes instead of argparse's "unrecognized arguments".
+    _, leftover = lab_admit_parser().parse_known_args(argv)
+    stray = [arg for arg in leftover if not arg.startswith("-") and Path(arg).is_dir()]
+    if stray:
         print(f"error: {stray[0]}: put the dump directory first: miles-mis admit DUMP_DIR [flags]", file=sys.stderr)
         return 1
-    from ..lab.admit import main as admit_main
 
     return _run_lab(admit_main, argv)
 
