@@ -269,10 +269,12 @@ def test_a_prime_rl_step_without_stable_is_left_out_with_a_warning(tmp_path):
     reader = PrimeRLReader(tmp_path)
     assert [path.parent.name for path in reader.files] == ["step_1"]
     assert sum(len(batch.calls) for batch in reader.batches()) == 2
-    assert "1 step directory (step 2) have no STABLE marker" in reader.warnings[0]
+    assert "1 step directory (step 2) has no STABLE marker" in reader.warnings[0]
     partial = PrimeRLReader(tmp_path, allow_partial=True)
     assert sum(len(batch.calls) for batch in partial.batches()) == 5
     assert partial.warnings[0].startswith("partial export (--allow-partial)")
+    write_prime_rl(tmp_path, {(3, 0): [mixed_sequences(2, 2)]}, stable=False)
+    assert "2 step directories (step 2, 3) have no STABLE marker" in PrimeRLReader(tmp_path).warnings[0]
 
 
 def test_prime_rl_calls_run_in_step_rank_micro_step_order(tmp_path):

@@ -61,8 +61,9 @@ class PrimeRLReader:
         unstable = [step for step, paths in by_step.items() if not (paths[0].parent / STABLE_MARKER).exists()]
         if unstable:
             listed = ", ".join(map(str, sorted(unstable)[:4])) + (" ..." if len(unstable) > 4 else "")
-            what = f"{len(unstable)} step director{'ies' if len(unstable) > 1 else 'y'} (step {listed}) have no " \
-                   f"{STABLE_MARKER} marker (prime-rl writes it once every rank has flushed)"
+            directories, have = ("directories", "have") if len(unstable) > 1 else ("directory", "has")
+            what = f"{len(unstable)} step {directories} (step {listed}) {have} no {STABLE_MARKER} marker " \
+                   "(prime-rl writes it once every rank has flushed)"
             if allow_partial:
                 self.warnings.append(f"partial export (--allow-partial): {what}; read as they are")
             else:
