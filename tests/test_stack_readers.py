@@ -233,6 +233,21 @@ def test_nemo_rl_span_is_cut_at_input_lengths_and_filtered_samples_are_counted(t
                                "filtered by the run): left out"]
 
 
+def test_nemo_rl_fractional_sample_loss_mask_weighs_its_tokens_as_nemo_rl_does(tmp_path):
+    """NeMo RL writes 0 or 1 (at 7ea279ab); another value is kept as the token's mask weight, the product
+    token_loss_mask × sample_loss_mask its own token means use, and read as a miles dump with those masks is."""
+    sequences = mixed_sequences(4, 6, noise=0.3)
+    sequences[1] = {**sequences[1], "sample_loss_mask": 0.5}
+    sequences[4] = {**sequences[4], "sample_loss_mask": 0.25}
+    write_nemo(tmp_path / "nemo", [sequences])
+    weighted = [{**seq, "mask": seq["mask"].float() * seq.get("sample_loss_mask", 1.0)} for seq in sequences]
+    write_miles(tmp_path / "miles", [weighted])
+    reader = NemoRLReader(tmp_path / "nemo")
+    (batch,) = list(reader.batches())
+    assert float(batch.loss_masks[1].max()) == 0.5 and float(batch.loss_masks[4].max()) == 0.25
+    assert_same_analysis(analysis(reader), analysis(DumpReader(tmp_path / "miles")))
+
+
 def test_nemo_rl_nan_tokens_in_the_file_are_read_as_nonfinite(tmp_path):
     # Python's json writes the NaN token, as NeMo RL's logger does
     path = _nemo_line_file(tmp_path, 10, lambda line: line["generation_logprobs"][0].__setitem__(3, float("nan")))
