@@ -16,16 +16,13 @@ The same command reads a series of a user's dumps: ``miles-mis admit DUMP_DIR --
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from .. import reference_host
 from ..analyze.admission import PRIME_RL_STEPS
 from ..analyze.admit_command import NOT_ADMITTED, add_verdict_arguments, check_dumps, check_json_path, render, \
     write_json
 from . import flags
-from .dump import PolicyLossDumper, policy_loss_record
-from .measure import rollout_batches, setting_name
+from .measure import dump_folder, dumped, rollout_batches, setting_name
 from .train import parse_args
 
 
@@ -46,16 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
     check_json_path(args.json)
-    temporary = tempfile.TemporaryDirectory(prefix="miles-mis-admit-") if args.dump_details is None else None
-    dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
-    try:
-        dumper = PolicyLossDumper(dump_dir, 0)
-        for batch, _ in rollout_batches(args):
-            dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
+    with dump_folder(args, "miles-mis-admit-") as dump_dir:
+        for _ in dumped(args, rollout_batches(args), dump_dir):
+            pass
         report = check_dumps(dump_dir, args.threshold, calls_per_step=1, required_steps=args.required_steps)
-    finally:
-        if temporary is not None:
-            temporary.cleanup()
     report["source"] = (f"the lab's {args.model} on {args.engine}, {setting_name(args)}, learning rate 0, "
                         f"{args.prompts_per_step} × {args.group_size} samples a step, seed {args.seed}")
     print(render(report))

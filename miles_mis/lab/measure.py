@@ -21,10 +21,12 @@ The batches are written as miles policy-loss dumps (``--dump-details DIR``, else
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,21 +84,18 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
     from ..analyze.command import analyze
 
     started = time.perf_counter()
-    temporary = tempfile.TemporaryDirectory(prefix="miles-mis-measure-") if args.dump_details is None else None
-    dump_dir = Path(temporary.name) if temporary is not None else args.dump_details
-    dumper = PolicyLossDumper(dump_dir, 0)
     old_all, rollout_all, rewards, kept, terms = [], [], [], [], {}
-    for batch, batch_rewards in rollout_batches(args, progress, engine, policy):
-        kept += batch.get("kept", [])
-        terms.update(batch.get("batch_term", {}))
-        dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
-        old_all += batch["log_probs"]
-        rollout_all += batch["rollout_log_probs"]
-        rewards.append(batch_rewards)
+    with dump_folder(args, "miles-mis-measure-") as dump_dir:
+        for batch, batch_rewards in dumped(args, rollout_batches(args, progress, engine, policy), dump_dir):
+            kept += batch.get("kept", [])
+            terms.update(batch.get("batch_term", {}))
+            old_all += batch["log_probs"]
+            rollout_all += batch["rollout_log_probs"]
+            rewards.append(batch_rewards)
+        analysis = analyze(dump_dir)
     row = {"model": args.model, "engine": args.engine, "setting": setting_name(args),
            **mismatch_summary(old_all, rollout_all), "reward": float(torch.cat(rewards).mean()),
            **_live_location(old_all, rollout_all), **kept_set_summary(kept), **terms}
-    analysis = analyze(dump_dir)
     row["by_rollout_prob"] = [{"bucket": r["bucket"], "tokens": r["tokens"], "k3": r["k3"]}
                               for r in analysis.statistics["by_rollout_prob"] if r["tokens"]]
     row["configs"] = {name: {key: analysis.results[f"preset:{name}"][key] for key in
@@ -104,9 +103,26 @@ def measure(args: argparse.Namespace, progress: bool = True, engine=None, policy
                       for name in preset_files()}
     row["recommendation"] = analysis.recommendation.name
     row["seconds"] = time.perf_counter() - started
-    if temporary is not None:
-        temporary.cleanup()
     return row
+
+
+@contextlib.contextmanager
+def dump_folder(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
+    """Where the rollout batches are dumped: ``--dump-details DIR``, else a temporary folder removed afterwards."""
+    if args.dump_details is not None:
+        yield args.dump_details
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield Path(folder)
+
+
+def dumped(args: argparse.Namespace, batches, dump_dir: Path):
+    """``batches`` passed on unchanged, each first written to ``dump_dir`` as one miles policy-loss call of rank 0
+    (π_old = the float32 trainer's log-probs), so ``miles-mis analyze``/``admit`` read the lab as a user's dump."""
+    dumper = PolicyLossDumper(dump_dir, 0)
+    for batch, batch_rewards in batches:
+        dumper.call(1, lambda: policy_loss_record(args, batch, batch["log_probs"], batch["loss_masks"]))
+        yield batch, batch_rewards
 
 
 def rollout_batches(args: argparse.Namespace, progress: bool = True, engine=None, policy=None):
