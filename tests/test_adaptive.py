@@ -166,7 +166,7 @@ def test_through_the_host_from_a_yaml_file(tmp_path):
     from test_host import ADVS, expected_ppo_grad, grads, make_batch
 
     from miles_mis import reference_host
-    from miles_mis.analyze.report_configs import describe_config
+    from miles_mis.analyze.report.configs import describe_config
 
     config = tmp_path / "auto.yaml"
     config.write_text("tis_upper_bound: auto\ntis_auto_bounds: [1.0, 3.0]\ntis_auto_target_ess: 0.8\n")

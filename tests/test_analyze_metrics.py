@@ -11,7 +11,11 @@ import torch
 
 from cli_answers import analyze_cli, one_line_error
 
-from miles_mis.analyze import figures, published, report_files, report_json, report_markdown, sc_metrics
+from miles_mis.analyze import published, sc_metrics
+from miles_mis.analyze.report import as_json as report_json
+from miles_mis.analyze.report import figures
+from miles_mis.analyze.report import files as report_files
+from miles_mis.analyze.report import markdown as report_markdown
 from miles_mis.analyze import analyze as run_analysis
 
 SC_ROWS = published.with_topic("score_centering", published.load())

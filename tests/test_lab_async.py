@@ -99,7 +99,7 @@ def test_an_async_run_is_reproducible_and_resumes_exactly(tmp_path):
 
 def test_dumps_carry_the_lag_and_the_analyzer_reports_by_lag(tmp_path):
     from miles_mis.analyze.command import analyze
-    from miles_mis.analyze.report_markdown import render_markdown
+    from miles_mis.analyze.report.markdown import render_markdown
 
     dumps = tmp_path / "dumps"
     run(tmp_path, "dumped", "--async-max-lag", "2", "--lr", "3e-3", "--get-mismatch-metrics",

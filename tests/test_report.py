@@ -10,8 +10,13 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from miles_mis.analyze import (comparison, figures, formatting, report_configs, report_files, report_json,
-                               report_markdown, report_sentences, report_tables)
+from miles_mis.analyze.report import as_json as report_json
+from miles_mis.analyze.report import comparison, figures, formatting
+from miles_mis.analyze.report import configs as report_configs
+from miles_mis.analyze.report import files as report_files
+from miles_mis.analyze.report import markdown as report_markdown
+from miles_mis.analyze.report import sentences as report_sentences
+from miles_mis.analyze.report import tables as report_tables
 from miles_mis.config import MisConfig
 
 

@@ -19,10 +19,10 @@ from cli_answers import one_line_error
 from test_analyze import batch, write_dump
 
 from miles_mis.analyze import analyze as run_analysis
-from miles_mis.analyze import figures
+from miles_mis.analyze.report import figures
 from miles_mis.analyze.reading import CallBatch, DumpReader
-from miles_mis.analyze.report_html import SECTIONS, cited_outcomes, render_html, source_links
-from miles_mis.analyze.report_strips import page_scale, shade, strips_section
+from miles_mis.analyze.report.page import SECTIONS, cited_outcomes, render_html, source_links
+from miles_mis.analyze.report.strips import page_scale, shade, strips_section
 from miles_mis.analyze.statistics import StatisticsAccumulator
 from miles_mis.analyze.worst_sequences import STRIP_TOKENS, WORST, token_window
 

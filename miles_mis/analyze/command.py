@@ -20,9 +20,7 @@ from ..correction.divergence import DIRECTIONAL
 from ..correction.staleness import lag_keys_in_use
 from ..inputs.advantages import needed as reads_advantages
 from . import advisor, sc_metrics
-from .comparison import render_comparison, write_comparison
-from .report_files import summary_text, write_html_report, write_report
-from .report_markdown import render_markdown
+from .report import render_comparison, render_markdown, summary_text, write_comparison, write_html_report, write_report
 from .stacks import open_dump
 from .statistics import StatisticsAccumulator
 

@@ -1,6 +1,6 @@
 """The worst sequences of a dump, kept while the statistics stream: a bounded heap of the ``WORST`` sequences with the
 highest mean k3 (k3 over their usable tokens), each with the per-token values of at most ``STRIP_TOKENS`` tokens
-around its largest |Δ log p| (the HTML report's token strips, ``report_strips``).
+around its largest |Δ log p| (the HTML report's token strips, ``report.strips``).
 
 Memory is bounded whatever the dump's size: at most ``WORST`` entries of at most ``STRIP_TOKENS`` tokens each; a
 sequence enters when its mean k3 beats the heap's least-bad entry. Ties order as the rest of the report does: higher

@@ -5,7 +5,7 @@ Content-Security-Policy forbids every fetch (``default-src 'none'``; images only
 only by its hash). The script sorts a table by a click on its heading; without it the page reads the same.
 
 The sections, in order: the advice (the recommendation, its YAML, its reasons, the warnings and what the evidence says
-about this mismatch), the worst sequences token by token (``report_strips``), the candidates' table (the rows of
+about this mismatch), the worst sequences token by token (``strips``), the candidates' table (the rows of
 report.md), the figures, and the published outcomes the advice cites, each linked to its source. Every text value is
 HTML-escaped.
 """
@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
-from . import published as _published
-from . import safe_level as _safe_level
-from . import truncation as _truncation
+from .. import published as _published
+from .. import safe_level as _safe_level
+from .. import truncation as _truncation
 from .formatting import fmt
-from .report_configs import config_yaml, recommendation_name
-from .report_markdown import CANDIDATE_HEADER, CANDIDATE_NOTE, USAGE, candidate_rows, staleness_evidence
-from .report_sentences import size_line, warning_lines
-from .report_strips import strips_section
-from .report_tables import BUCKETS
+from .configs import config_yaml, recommendation_name
+from .markdown import CANDIDATE_HEADER, CANDIDATE_NOTE, USAGE, candidate_rows, staleness_evidence
+from .sentences import size_line, warning_lines
+from .strips import strips_section
+from .tables import BUCKETS
 
 SECTIONS = ("advice", "strips", "candidates", "figures", "published")
 CAPTIONS = {**{_figures.FIGURES[key]: BUCKETS[key][0] for key in BUCKETS},

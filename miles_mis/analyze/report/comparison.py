@@ -8,12 +8,12 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .report_configs import recommendation_name
+from .configs import recommendation_name
 from .figures import finite_number as _finite
 from .formatting import fmt, jsonable, markdown_table, write_json
-from .report_json import to_json
-from .report_sentences import k3_context, size_line, trend_sentence, warning_lines
-from .report_tables import BUCKETS, COUNTS, filled_rows, scalar_keys
+from .as_json import to_json
+from .sentences import k3_context, size_line, trend_sentence, warning_lines
+from .tables import BUCKETS, COUNTS, filled_rows, scalar_keys
 
 
 # --------------------------------------------------------------------------- differences

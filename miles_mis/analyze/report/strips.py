@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from .figures import finite_number
 from .formatting import fmt
-from .worst_sequences import STRIP_TOKENS, WORST
+from ..worst_sequences import STRIP_TOKENS, WORST
 
 WHITE = (255, 255, 255)
 POSITIVE = (178, 24, 43)  # Δ > 0, the engine above the trainer: ColorBrewer RdBu's dark red

@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
-from . import published as _published
-from . import safe_level as _safe_level
-from . import sc_metrics as _sc
-from . import truncation as _truncation
-from .report_configs import config_dict, config_yaml, describe_config, recommendation_name
+from .. import published as _published
+from .. import safe_level as _safe_level
+from .. import sc_metrics as _sc
+from .. import truncation as _truncation
+from .configs import config_dict, config_yaml, describe_config, recommendation_name
 from .figures import finite_number as _finite
 from .formatting import fmt, markdown_table
-from .report_sentences import attribution_sentence, k3_context, size_line, trend_sentence, warning_lines
-from .report_tables import BUCKET_NOTES, BUCKETS, STATISTICS, filled_rows, scalar_keys
+from .sentences import attribution_sentence, k3_context, size_line, trend_sentence, warning_lines
+from .tables import BUCKET_NOTES, BUCKETS, STATISTICS, filled_rows, scalar_keys
 
 USAGE = "--use-tis --custom-tis-function-path miles_mis.compute_mis_weights_with_cp --custom-config-path"
 CANDIDATE_COLUMNS = [("kept_token_fraction", "kept tokens"), ("kept_sequence_fraction", "kept sequences"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import safe_level as _safe_level
-from .report_configs import config_dict, recommendation_name
+from .. import safe_level as _safe_level
+from .configs import config_dict, recommendation_name
 from .formatting import jsonable
-from .report_markdown import staleness_evidence
-from .report_sentences import k3_context, trend_sentence
+from .markdown import staleness_evidence
+from .sentences import k3_context, trend_sentence
 
 REQUIRED_JSON = ("files", "sequences", "tokens", "nonfinite_fraction", "k3", "by_position", "by_rollout_prob",
                  "by_length", "by_call")

@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import figures as _figures
-from . import safe_level as _safe_level
-from .report_configs import recommendation_name
+from .. import safe_level as _safe_level
+from .configs import recommendation_name
 from .formatting import fmt, write_json
-from .report_html import render_html, write_html
-from .report_json import to_json
-from .report_markdown import render_markdown
-from .report_sentences import size_line, trend_sentence
+from .page import render_html, write_html
+from .as_json import to_json
+from .markdown import render_markdown
+from .sentences import size_line, trend_sentence
 
 
 def write_report(out_dir: Path, statistics: Mapping[str, Any], results: Mapping[str, Any] | None,
                  recommendation: Any, *, title: str, with_figures: bool = True,
                  config_path: Path | str | None = None,
                  score_centering: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """OUT/report.md, OUT/report.json, OUT/report.html (one self-contained page, ``report_html``) and (with
+    """OUT/report.md, OUT/report.json, OUT/report.html (one self-contained page, ``page``) and (with
     matplotlib, unless with_figures is False) the PNGs, with the score-centering figure (key "score_centering") when
     ``score_centering`` (``sc_metrics.summarize``) holds series.
     Returns {"markdown": …, "json": …, "html": …, <figure key>: …}."""
