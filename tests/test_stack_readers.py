@@ -229,7 +229,7 @@ def test_nemo_rl_span_is_cut_at_input_lengths_and_filtered_samples_are_counted(t
     assert batch.response_lengths == [5]  # the 3 pad columns are cut away
     assert torch.equal(batch.old_log_probs[0], kept["old"])
     assert torch.equal(batch.rollout_log_probs[0], kept["rollout"])
-    assert reader.warnings == ["1 samples keep no token (token_loss_mask 0 everywhere, or sample_loss_mask 0: "
+    assert reader.warnings == ["1 sample keeps no token (token_loss_mask 0 everywhere, or sample_loss_mask 0: "
                                "filtered by the run): left out"]
 
 
@@ -516,3 +516,14 @@ def test_a_number_beyond_float_range_is_one_line(tmp_path):
     path.write_text(text.replace(f'"trainer_logprobs": [{first},', '"trainer_logprobs": [' + "9" * 400 + ","))
     with pytest.raises(ValueError, match=r"rank_0.jsonl:1: trainer_logprobs holds a number beyond the float range"):
         list(PrimeRLReader(tmp_path).batches())
+
+
+def test_the_left_out_warning_agrees_with_its_count():
+    from miles_mis.analyze.stacks.sequences import left_out_warning, warn_once
+
+    assert left_out_warning(1, "sample", "why") == "1 sample keeps no token (why): left out"
+    assert left_out_warning(3, "exported sequence", "why") == "3 exported sequences keep no token (why): left out"
+    warnings = ["a"]
+    warn_once(warnings, "b")
+    warn_once(warnings, "a")
+    assert warnings == ["a", "b"]

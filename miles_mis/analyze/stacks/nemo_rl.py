@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Iterator
 
 from ..reading import CallBatch
-from .sequences import Response, call_batch, json_lines, mask_column, number_column, response, same_lengths
+from .sequences import Response, call_batch, json_lines, left_out_warning, mask_column, number_column, response, \
+    same_lengths, warn_once
 
 STEP_FILE = re.compile(r"train_data_step(\d+)\.jsonl")
 
@@ -60,10 +61,8 @@ class NemoRLReader:
         for call, (step, path) in enumerate(zip(self.steps, self.files)):
             yield step, call_batch(call, self._read_file(path))
         if self._empty:
-            warning = (f"{self._empty} samples keep no token (token_loss_mask 0 everywhere, or sample_loss_mask 0: "
-                       "filtered by the run): left out")
-            if warning not in self.warnings:
-                self.warnings.append(warning)
+            warn_once(self.warnings, left_out_warning(self._empty, "sample", "token_loss_mask 0 everywhere, or "
+                                                      "sample_loss_mask 0: filtered by the run"))
 
     def _read_file(self, path: Path) -> list[Response]:
         responses, seen, trainer_nonzero = [], {}, False

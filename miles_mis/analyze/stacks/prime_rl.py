@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 
 from ..reading import CallBatch
-from .sequences import Response, call_batch, integer_field, json_lines, mask_column, number_column, response, \
-    same_lengths
+from .sequences import Response, call_batch, integer_field, json_lines, left_out_warning, mask_column, number_column, \
+    response, same_lengths, warn_once
 
 STEP_DIRECTORY = re.compile(r"step_(\d+)")
 RANK_FILE = re.compile(r"rank_(\d+)\.jsonl")
@@ -96,15 +96,11 @@ class PrimeRLReader:
                 yield step, call_batch(call, responses)
                 call += 1
         if self._cut_lines:
-            self._warn(f"{len(self._cut_lines)} half-written last line(s) of steps without STABLE left out, e.g. "
-                       f"{self._cut_lines[0]}")
+            warn_once(self.warnings, f"{len(self._cut_lines)} half-written last line(s) of steps without STABLE "
+                                     f"left out, e.g. {self._cut_lines[0]}")
         if self._empty:
-            self._warn(f"{self._empty} exported sequences keep no token (loss_mask all false, or rl_weights and "
-                       "ref_kl_weights 0 wherever it is true): left out")
-
-    def _warn(self, warning: str) -> None:
-        if warning not in self.warnings:
-            self.warnings.append(warning)
+            warn_once(self.warnings, left_out_warning(self._empty, "exported sequence", "loss_mask all false, or "
+                                                      "rl_weights and ref_kl_weights 0 wherever it is true"))
 
     def _read_file(self, path: Path) -> dict[int, list[Response]]:
         step, rank = _step_of(path), _rank_of(path)

@@ -118,6 +118,18 @@ def call_batch(call: int, responses: list[Response]) -> CallBatch:
                      positions=[torch.arange(r.trainer.numel()) for r in responses], lags=[None] * len(responses))
 
 
+def warn_once(warnings: list[str], warning: str) -> None:
+    """Append ``warning`` unless it is there (a reader's passes each end with the same counts)."""
+    if warning not in warnings:
+        warnings.append(warning)
+
+
+def left_out_warning(count: int, noun: str, why: str) -> str:
+    """'N <noun>s keep no token (<why>): left out', the count-agreeing sentence both readers end a pass with."""
+    subject = f"1 {noun} keeps" if count == 1 else f"{count} {noun}s keep"
+    return f"{subject} no token ({why}): left out"
+
+
 def integer_field(where: str, record: dict, name: str) -> int:
     value = record.get(name)
     if isinstance(value, bool) or not isinstance(value, int):
