@@ -121,6 +121,13 @@ def formatted(value: float, spec: str) -> str:
     return "—" if value is None or math.isnan(value) else format(value, spec)
 
 
+def mean_and_spread(values: Sequence[float]) -> str:
+    """'mean ± sd' over runs to 3 decimals; the mean alone for one run (no spread to give)."""
+    values = list(values)
+    spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    return f"{statistics.mean(values):.3f}{spread}"
+
+
 def steps_to_level(series: Sequence[float], level: float, window: int = LEVEL_WINDOW) -> int | None:
     """The first step (1-based) whose trailing ``window``-step mean reaches ``level``; None when none does."""
     for end in range(window, len(series) + 1):

@@ -46,7 +46,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import (first_mean, formatted, last_mean, outcome, paired_difference, recorded_mean,  # noqa: E402
+from evidence import (first_mean, formatted, last_mean, mean_and_spread, outcome, paired_difference, recorded_mean,  # noqa: E402
                       steps_to_level, verdict)
 from lab_sweep import (append_result, by_machine, first_rollout, left_here, machine, machine_of,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
@@ -125,6 +125,7 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
 # regimes that run at their own number of steps only (the others at whatever --steps says, 40 by default)
 REGIME_STEPS = {"one-step-off, 2-digit addition": 200}
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
+WINDOW = 50  # a long regime's reward windows, in steps
 SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3",
           "pg_clipfrac", "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess",
           "mis_is_ratio_mean_final", "mis_batch_gated", "mis_tis_truncate_fraction", "ois", "removed_token_fraction",
@@ -272,8 +273,7 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
         delta = "—" if algorithm == BASELINE else diff.interval()
         lines.append(
             f"| {algorithm} | {len(cell)} | {recorded_mean(first_mean(r['reward']) for r in cell.values()):.3f} | "
-            f"{statistics.mean(scores.values()):.3f}"
-            f"{f' ± {statistics.stdev(scores.values()):.3f}' if len(scores) > 1 else ''} | "
+            f"{mean_and_spread(scores.values())} | "
             f"{delta} | {level} | {outcomes.count('collapsed')} / {outcomes.count('stalled')} | "
             f"{formatted(recorded_mean(recorded_mean(r['raw_k3']) for r in cell.values()), '.2e')} | "
             f"""{formatted(recorded_mean(recorded_mean(r['first_minibatch_ppo_ratio_outside_clip'])
@@ -554,22 +554,49 @@ def _first_last(cell: dict[int, dict], key: str, spec: str) -> str:
             f"{formatted(max(max(run) for run in runs), spec)})")
 
 
+def signal_line(regime: str, algorithm: str, cell: dict[int, dict]) -> str:
+    """One cell's signals, first 10 steps → last 10: the tail ratio ρ where score centering recorded it, the
+    gradient norm, the response length and the truncated share."""
+    tail = f"tail ratio {_first_last(cell, 'mis_sc_tail_ratio', '.3g')}, " if _has(cell, "mis_sc_tail_ratio") else ""
+    runs = f"{len(cell)} run{'s' if len(cell) != 1 else ''}"
+    return (f"- {regime}, {algorithm} ({runs}): {tail}grad norm {_first_last(cell, 'grad_norm', '.3g')}, "
+            f"response length {_first_last(cell, 'response_length', '.1f')}, truncated share "
+            f"{_first_last(cell, 'truncated_fraction', '.2f')}")
+
+
 def centering_lines(rows: list[dict]) -> list[str]:
-    """Per regime and score-centering or IcePop cell with runs, the signals the 35B study saw move first: the tail
-    ratio ρ, the gradient norm, and the response length and truncated share, first 10 steps → last 10."""
+    """Per 40-step regime and score-centering or IcePop cell with runs, the signals the 35B study saw move first
+    (``signal_line``), standard PPO's beside them."""
     lines = []
-    for regime in REGIMES:
+    for regime in (r for r in REGIMES if r not in REGIME_STEPS):
         for algorithm in (a for a in REGIMES[regime][1] if a in SCORE_CENTERING or a == BASELINE):
             cell = _cell(rows, regime, algorithm)
             if not cell or (algorithm == BASELINE and not any(_cell(rows, regime, a) for a in SCORE_CENTERING)):
                 continue
-            tail = (f"tail ratio {_first_last(cell, 'mis_sc_tail_ratio', '.3g')}, "
-                    if _has(cell, "mis_sc_tail_ratio") else "")
-            lines.append(f"- {regime}, {algorithm} ({len(cell)} runs): {tail}grad norm "
-                         f"{_first_last(cell, 'grad_norm', '.3g')}, response length "
-                         f"{_first_last(cell, 'response_length', '.1f')}, truncated share "
-                         f"{_first_last(cell, 'truncated_fraction', '.2f')}")
+            lines.append(signal_line(regime, algorithm, cell))
     return lines
+
+
+def window_table(rows: list[dict], regime: str, width: int = WINDOW) -> str:
+    """Per algorithm of a long regime with runs, the mean reward of each ``width``-step window (the mean over its
+    runs, ± their standard deviation): where the runs saturate (a window no higher than the one before) and whether
+    one collapses late."""
+    cells = {a: _cell(rows, regime, a) for a in REGIMES[regime][1]}
+    cells = {a: cell for a, cell in cells.items() if cell}
+    steps = max(len(r["reward"]) for cell in cells.values() for r in cell.values())
+    windows = [(start, min(start + width, steps)) for start in range(0, steps, width)]
+    lines = ["| algorithm | runs | " + " | ".join(f"steps {a + 1}–{b}" for a, b in windows) + " |",
+             "|" + "---|" * (len(windows) + 2)]
+    for algorithm, cell in cells.items():
+        means = [[recorded_mean(r["reward"][a:b]) for r in cell.values() if len(r["reward"]) >= b] for a, b in windows]
+        lines.append(f"| {algorithm} | {len(cell)} | " + " | ".join(mean_and_spread(m) if m else "—" for m in means)
+                     + " |")
+    return "\n".join(lines)
+
+
+def long_regime_lines(rows: list[dict], regime: str) -> list[str]:
+    """The signals of every algorithm of a long regime (``signal_line``), whose collapse would show first in them."""
+    return [signal_line(regime, a, cell) for a in REGIMES[regime][1] if (cell := _cell(rows, regime, a))]
 
 
 def sections(rows: list[dict], figures: Path | None,
@@ -586,6 +613,10 @@ def sections(rows: list[dict], figures: Path | None,
         # without figures, the one drawn last time (if any) is still named
         drawn = figure(rows, regime, figures / name) if figures is not None else (FIGURES / name).exists()
         out.append((regime, "\n".join([table, "", *[f"- {s}" for s in sentences]]), name if drawn else None))
+        if regime in REGIME_STEPS:  # a long regime: where it saturates, and the signals a late collapse shows in
+            out.append((f"{regime}: mean reward by {WINDOW}-step window", window_table(rows, regime), None))
+            out.append((f"{regime}: signals, first 10 steps → last 10", "\n".join(long_regime_lines(rows, regime)),
+                        None))
     mechanisms = mechanism_lines(rows)
     out.append(("Mechanisms", "\n".join(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), None))
     centering = centering_lines(rows)
@@ -646,14 +677,25 @@ def main() -> None:
         # rows printed may be another study's (--results), e.g. the long-horizon runs
         print(tables(paired))
         return
-    from lab_verdicts_docs import write_docs
+    from lab_verdicts_docs import write_docs, write_regime_docs
 
-    left = todo(list(REGIMES), None, args.steps, args.results)
+    long = [regime for regime in REGIME_STEPS if any(r["regime"] == regime for r in all_rows)]
+    planned = long or [regime for regime in REGIMES if regime not in REGIME_STEPS]  # what these rows are runs of
+    left = todo(planned, None, args.steps, args.results)
     groups = by_machine(all_rows, SEED, CELL, first_rollout)  # (seed key..., first rollout) -> cells
     other_first_rollouts = len(groups) - len({key[:-1] for key in groups})
-    hours_left = budget_line(list(REGIMES), left, args.steps, all_rows)
-    write_docs(args.docs, sections(paired, None if args.no_figures else FIGURES, CURVE_FILE), all_rows, args.steps,
-               f"{len(left)} runs, {hours_left}" if left else hours_left, other_first_rollouts)
+    hours_left = budget_line(planned, left, args.steps, all_rows)
+    left_words = f"{len(left)} runs, {hours_left}" if left else hours_left
+    figures = None if args.no_figures else FIGURES
+    if long:  # a regime of its own length fills its own marked part: the 40-step tables and the analyzer's curve stay
+        for regime in long:
+            write_regime_docs(args.docs, slug(regime), sections([r for r in paired if r["regime"] == regime], figures),
+                              [r for r in all_rows if r["regime"] == regime], args.steps, left_words,
+                              other_first_rollouts)
+            print(f"wrote the {regime} tables into {args.docs}")
+        return
+    write_docs(args.docs, sections(paired, figures, CURVE_FILE), all_rows, args.steps, left_words,
+               other_first_rollouts)
     print(f"wrote the tables into {args.docs}")
 
 

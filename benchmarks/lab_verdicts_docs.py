@@ -3,6 +3,8 @@ without copying by hand (``python benchmarks/lab_verdicts.py tables --docs docs/
 
     <!-- lab_verdicts:verdicts --> ... <!-- /lab_verdicts:verdicts -->   a line on the runs, then every regime's table
     <!-- lab_verdicts:safe --> ... <!-- /lab_verdicts:safe -->           the safe-mismatch table and its levels
+    <!-- lab_verdicts:<regime slug> --> ... <!-- /lab_verdicts:<slug> -->  a regime of its own length (REGIME_STEPS,
+                                                                          its own results file), alone
 
 Everything outside the markers (the prose that reads the tables) stays as it is; a regime with no runs and the
 mechanism lines (read in the prose) are left out. The figures' links are relative to the page, wherever it lies
@@ -42,7 +44,8 @@ def runs_line(rows: list[dict], steps: int, left: str, other_first_rollouts: int
     pairing = ("every boot so far reproduced the first rollouts of the others" if other_first_rollouts == 0 else
                f"{other_first_rollouts} seed(s) had another first rollout on some boot, and the tables take each seed "
                "from the group that holds most of it")
-    text = (f"`tables` on the runs so far: {len(rows)} runs of {steps} steps, on {len(boots)} boot(s) of "
+    text = (f"`tables` on the runs so far: {len(rows)} run{'s' if len(rows) != 1 else ''} of {steps} steps, on "
+            f"{len(boots)} boot(s) of "
             f"{' / '.join(kinds)} (each row names its machine; the tables pair runs by first rollout, and {pairing}). "
             "± is the standard deviation over seeds, Δ the paired difference of the last-10-step reward against "
             "standard PPO with its 95 % t interval; s / step is the median step of the quietest run (rollout, "
@@ -78,3 +81,12 @@ def write_docs(path: Path, sections: list[tuple[str, str, str | None]], rows: li
     safe = {title: body for title, body, _ in sections}.get(SAFE, "(no regime paired on 2 seeds yet)")
     text = replace_marked(text, "safe", safe, str(path))
     path.write_text(text)
+
+
+def write_regime_docs(path: Path, marker: str, sections: list[tuple[str, str, str | None]], rows: list[dict],
+                      steps: int, left: str, other_first_rollouts: int, figures: Path = FIGURES) -> None:
+    """Rewrites ``marker``'s part of ``path`` alone, for a regime of its own length and results file: the 40-step
+    tables, the safe-mismatch table and the analyzer's curve belong to other rows and stay as they are."""
+    text = path.read_text()
+    body = verdict_body(sections, runs_line(rows, steps, left, other_first_rollouts), figures_link(path, figures))
+    path.write_text(replace_marked(text, marker, body, str(path)))

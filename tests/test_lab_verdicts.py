@@ -486,3 +486,69 @@ def test_centering_lines_by_hand(verdicts):
         "- bf16 + fp8 weights, sc (2 runs): tail ratio 1 → 4 (largest step 5), grad norm 0.5 → 1.5 (largest step 1.5), "
         "response length 10.0 → 10.0 (largest step 10.0), truncated share 0.00 → 0.00 (largest step 0.00)"]
     assert verdicts.centering_lines([r for r in rows if r["algorithm"] == "standard"]) == []
+
+
+ONE_STEP_OFF = "one-step-off, 2-digit addition"
+
+
+def _long_rows(verdicts):
+    """Two seeds of standard and sc_mis, 120 steps: standard saturates after 50 steps, sc_mis climbs on."""
+    rows = []
+    for seed, offset in ((0, 0.0), (1, 0.1)):
+        standard = _row(verdicts, "standard", seed, [0.1 + offset] * 50 + [0.3 + offset] * 70)
+        sc_mis = _row(verdicts, "sc_mis", seed, [0.1 + offset] * 50 + [0.3 + offset] * 50 + [0.5 + offset] * 20)
+        for row in (standard, sc_mis):
+            row.update(regime=ONE_STEP_OFF, steps=200, first_rollout="same", machine="AMD EPYC, 2 cores, boot aaaa",
+                       grad_norm=[0.5] * 110 + [2.0] * 10, response_length=[20.0] * 120,
+                       truncated_fraction=[0.5] * 10 + [0.0] * 110)
+        standard["mis_sc_tail_ratio"], sc_mis["mis_sc_tail_ratio"] = [None] * 120, [1.0] * 120  # as runs record
+        rows += [standard, sc_mis]
+    return rows
+
+
+def test_window_table_by_hand(verdicts):
+    """Per algorithm the mean reward of each 50-step window over its runs, ± their sd: standard's (0.1, 0.2) in the
+    first window is 0.150 ± 0.071; the last window is 20 steps long (101–120)."""
+    table = verdicts.window_table(_long_rows(verdicts), ONE_STEP_OFF)
+    assert table.splitlines() == [
+        "| algorithm | runs | steps 1–50 | steps 51–100 | steps 101–120 |", "|---|---|---|---|---|",
+        "| standard | 2 | 0.150 ± 0.071 | 0.350 ± 0.071 | 0.350 ± 0.071 |",
+        "| sc_mis | 2 | 0.150 ± 0.071 | 0.350 ± 0.071 | 0.550 ± 0.071 |"]
+
+
+def test_a_long_regime_lists_every_algorithms_signals_and_stays_out_of_the_centering_lines(verdicts):
+    rows = _long_rows(verdicts)
+    assert verdicts.centering_lines(rows) == []  # the 40-step regimes' lines only
+    assert verdicts.long_regime_lines(rows, ONE_STEP_OFF) == [
+        f"- {ONE_STEP_OFF}, standard (2 runs): grad norm 0.5 → 2 (largest step 2), response length 20.0 → 20.0 "
+        "(largest step 20.0), truncated share 0.50 → 0.00 (largest step 0.50)",
+        f"- {ONE_STEP_OFF}, sc_mis (2 runs): tail ratio 1 → 1 (largest step 1), grad norm 0.5 → 2 (largest step 2), "
+        "response length 20.0 → 20.0 (largest step 20.0), truncated share 0.50 → 0.00 (largest step 0.50)"]
+
+
+def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve(verdicts, tmp_path, monkeypatch):
+    """`tables --steps 200 --results <its file> --docs PAGE` writes between the regime's markers only: the 40-step
+    tables, the safe-mismatch table and the analyzer's curve (another study's rows) stay as they were."""
+    import json
+
+    results = tmp_path / "rows.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in _long_rows(verdicts)))
+    page = tmp_path / "verdicts.md"
+    untouched = ("<!-- lab_verdicts:verdicts -->\n40-step tables\n<!-- /lab_verdicts:verdicts -->\n"
+                 "<!-- lab_verdicts:safe -->\nsafe table\n<!-- /lab_verdicts:safe -->\n")
+    page.write_text(untouched + "<!-- lab_verdicts:one-step-off_2-digit_addition -->\nold\n"
+                    "<!-- /lab_verdicts:one-step-off_2-digit_addition -->\n")
+    written_to = []
+    monkeypatch.setattr(verdicts, "write_curve", lambda *a, **k: written_to.append(a))
+    monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "tables", "--steps", "200", "--results", str(results),
+                                      "--docs", str(page), "--no-figures"])
+    verdicts.main()
+    text = page.read_text()
+    assert written_to == [] and text.startswith(untouched)
+    part = text[len(untouched):]
+    assert "old" not in part and "4 runs of 200 steps" in part
+    assert f"**{ONE_STEP_OFF}: mean reward by 50-step window**" in part and "| sc_mis | 2 | 0.150 ± 0.071" in part
+    assert f"- {ONE_STEP_OFF}, sc_mis (2 runs): tail ratio 1 → 1" in part
+    # bypass and decoupled TIS on seeds 0 and 1, the four on seed 2: this regime's runs, not the 40-step sweep's
+    budget = "`budget` says 8 runs, about 0.1 CPU hours left (one-step-off, 2-digit addition: 8 at"
+    assert budget in " ".join(part.split())

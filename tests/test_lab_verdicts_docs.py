@@ -87,8 +87,10 @@ def test_the_lab_docs_have_each_marker_once_and_their_figures_exist(docs):
 
     page = REPO / "docs" / "lab" / "verdicts.md"
     text = page.read_text()
-    for name in ("verdicts", "safe"):
-        assert docs.replace_marked(text, name, "x", "docs/lab/verdicts.md").count("<!-- lab_verdicts:") == 2
+    names = ("verdicts", "one-step-off_2-digit_addition", "safe")  # the sweep, the 200-step regime, the curve
+    assert re.findall(r"<!-- lab_verdicts:(\S+) -->", text) == list(names)
+    for name in names:
+        assert docs.replace_marked(text, name, "x", "docs/lab/verdicts.md").count("<!-- lab_verdicts:") == 3
     assert "lab_verdicts:" not in (REPO / "docs" / "lab.md").read_text()
     marked = text[text.index("<!-- lab_verdicts:verdicts -->"):text.index("<!-- /lab_verdicts:verdicts -->")]
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", marked)
