@@ -287,20 +287,22 @@ def regime_table(rows: list[dict], regime: str) -> tuple[str, list[str]]:
 
 
 def figure(rows: list[dict], regime: str, path: Path) -> bool:
-    """Reward curves (3-step moving mean; mean over seeds, band ± one standard deviation) of one regime."""
+    """Reward curves (a 3-step moving mean, 10-step for a long regime; mean over seeds, band ± one standard
+    deviation) of one regime."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    window = 10 if regime in REGIME_STEPS else 3
     drawn = False
     for algorithm in REGIMES[regime][1]:
         cell = list(_cell(rows, regime, algorithm).values())
         if len(cell) < 2:
             continue
         length = min(len(r["reward"]) for r in cell)
-        smooth = [[statistics.mean(r["reward"][max(0, i - 2):i + 1]) for i in range(length)] for r in cell]
+        smooth = [[statistics.mean(r["reward"][max(0, i + 1 - window):i + 1]) for i in range(length)] for r in cell]
         mean = [statistics.mean(col) for col in zip(*smooth)]
         spread = [statistics.stdev(col) for col in zip(*smooth)]
         steps = range(1, length + 1)
@@ -308,7 +310,8 @@ def figure(rows: list[dict], regime: str, path: Path) -> bool:
         ax.fill_between(steps, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)], alpha=0.12)
         drawn = True
     if drawn:
-        ax.set(xlabel="step", ylabel="reward (3-step mean)", title=f"SmolLM2-135M, {regime}: mean ± sd over seeds")
+        ax.set(xlabel="step", ylabel=f"reward ({window}-step mean)",
+               title=f"SmolLM2-135M, {regime}: mean ± sd over seeds")
         ax.legend(fontsize=7, ncol=2)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110, bbox_inches="tight")
