@@ -55,6 +55,7 @@ from lab_verdicts_docs import NO_RUNS  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 CURVE_FILE = Path(__file__).resolve().parent.parent / "miles_mis" / "analyze" / "safe_mismatch.json"
+CENTERING_FILE = CURVE_FILE.with_name("lab_score_centering.json")  # lab_centering_evidence writes it with --docs
 SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5",
          "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
 LEVEL = 0.5  # the reward level of the time-to-level column (fp8 standard PPO ends near 0.58, bf16 near 0.73)
@@ -680,6 +681,8 @@ def main() -> None:
         # rows printed may be another study's (--results), e.g. the long-horizon runs
         print(tables(paired))
         return
+    from lab_centering_evidence import regime_entry
+    from lab_centering_evidence import write as write_centering
     from lab_verdicts_docs import write_docs, write_regime_docs
 
     long = [regime for regime in REGIME_STEPS if any(r["regime"] == regime for r in all_rows)]
@@ -690,6 +693,10 @@ def main() -> None:
     hours_left = budget_line(planned, left, args.steps, all_rows)
     left_words = f"{len(left)} runs, {hours_left}" if left else hours_left
     figures = None if args.no_figures else FIGURES
+    # the score-centering verdicts the analyzer cites, of the regimes written here (the others' entries stay)
+    centering = {regime: regime_entry({a: _cell(paired, regime, a) for a in REGIMES[regime][1]}, args.steps)
+                 for regime in (long or planned) if set(REGIMES[regime][1]) & set(SCORE_CENTERING)}
+    write_centering({regime: entry for regime, entry in centering.items() if entry is not None}, CENTERING_FILE)
     if long:  # a regime of its own length fills its own marked part: the 40-step tables and the analyzer's curve stay
         for regime in long:
             write_regime_docs(args.docs, slug(regime), sections([r for r in paired if r["regime"] == regime], figures),

@@ -538,8 +538,10 @@ def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve
                  "<!-- lab_verdicts:safe -->\nsafe table\n<!-- /lab_verdicts:safe -->\n")
     page.write_text(untouched + "<!-- lab_verdicts:one-step-off_2-digit_addition -->\nold\n"
                     "<!-- /lab_verdicts:one-step-off_2-digit_addition -->\n")
-    written_to = []
+    written_to, centering = [], tmp_path / "lab_score_centering.json"
+    centering.write_bytes(verdicts.CENTERING_FILE.read_bytes())
     monkeypatch.setattr(verdicts, "write_curve", lambda *a, **k: written_to.append(a))
+    monkeypatch.setattr(verdicts, "CENTERING_FILE", centering)
     monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "tables", "--steps", "200", "--results", str(results),
                                       "--docs", str(page), "--no-figures"])
     verdicts.main()
@@ -552,3 +554,9 @@ def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve
     # bypass and decoupled TIS on seeds 0 and 1, the four on seed 2: this regime's runs, not the 40-step sweep's
     budget = "`budget` says 8 runs, about 0.1 CPU hours left (one-step-off, 2-digit addition: 8 at"
     assert budget in " ".join(part.split())
+    # the analyzer's score-centering evidence gains this regime's sc_mis cell and keeps the 40-step regime's
+    regimes = json.loads(centering.read_text())["regimes"]
+    assert regimes["bf16 + fp8 weights"] == json.loads(verdicts.CENTERING_FILE.read_text())["regimes"][
+        "bf16 + fp8 weights"]
+    (cell,) = regimes[ONE_STEP_OFF]["cells"]
+    assert cell["algorithm"] == "sc_mis" and cell["seeds"] == [0, 1] and cell["delta"] == pytest.approx(0.2)

@@ -6,7 +6,8 @@ other stacks' formats and ``open_dump``, which tells them apart), ``statistics``
 (where the mismatch lives, with ``worst_sequences``), ``advisor`` (candidate configs on the dumped tokens, the
 recommendation, ``--write-config``), ``report`` (a package: report.md, report.json, the PNG figures, report.html and
 the comparison of two dumps), ``sc_metrics`` (score centering's per-step series from a
-metrics file, ``--metrics``), ``published`` (the published outcomes the advice cites), ``command`` (the pipeline
+metrics file, ``--metrics``), ``published`` (the published outcomes the advice cites), ``lab_centering`` (the lab's
+score-centering verdicts it cites after them), ``command`` (the pipeline
 and the command line), and ``admission`` with ``admit_command`` (per-step mismatch, drift and verdict).
 docs/analyze.md explains every section of the report.
 """

@@ -23,8 +23,8 @@ later row of the same step replaces, and rows without any score-centering value.
 the tail ratio's median over its first ``BASELINE_STEPS`` steps, its maximum, its last value, the first step where
 it exceeds ``RISE_FACTOR`` times that median and the first where it exceeds ``TAIL_LIMIT``; for each series its
 first, minimum, median, maximum and last value; and every step's values. ``advice`` weighs them against the
-published score-centering outcomes (``published.with_topic("score_centering")``), saying what was measured and
-never that a run is safe.
+published score-centering outcomes (``published.with_topic("score_centering")``) and cites the lab's paired
+verdicts after them (``lab_centering``), saying what was measured and never that a run is safe.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from . import published
+from . import lab_centering, published
 
 # the series in report order: name -> what it is (the per-token value the host averages)
 SERIES = {
@@ -301,9 +301,11 @@ def _g(value: float) -> str:
     return f"{value:.4g}"
 
 
-def advice(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | None = None) -> str:
-    """What the file measured, the published score-centering outcomes (``rows``: the shipped ones by default), and how
-    the one weighs against the other. Never says a run is safe."""
+def advice(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | None = None,
+           lab: Mapping[str, Any] | None = None) -> str:
+    """What the file measured, the published score-centering outcomes (``rows``: the shipped ones by default), the
+    lab's paired verdicts after them (``lab``: the shipped ``lab_centering`` file by default, {} for none), and how
+    the file weighs against the outcomes. Never says a run is safe."""
     rows = published.load() if rows is None else rows
     evidence = published.with_topic("score_centering", rows)
     parts = [_measured(summary)]
@@ -315,6 +317,7 @@ def advice(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | None 
     if evidence:
         parts.append("Published score-centering outcomes: " + "; ".join(published.cite(row).rstrip(".")
                                                                          for row in evidence) + ".")
+    parts.append(lab_centering.sentence(lab) or "")
     parts.append(_weighed(summary, evidence))
     return " ".join(part for part in parts if part)
 
