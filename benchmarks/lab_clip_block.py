@@ -9,7 +9,7 @@ trainer's π_old: the engine's error alone, ℓ = log r. PPO-clip then gives a t
 
 while a token with A < 0 and r > 1 + ε keeps its gradient, weighted by r. So where the engine's error has a sign on a
 class of tokens, bypass learns that class one-sidedly. Per seed this runs one step of the verdict sweep's bypass cell
-(lab_verdicts.argv_of: same prompts, same first rollout) with ``--dump-details``, reads the first policy-loss call
+(lab_verdicts_plan.argv_of: same prompts, same first rollout) with ``--dump-details``, reads the first policy-loss call
 (rank 0, call 0: the first minibatch) and sums, per class of tokens, their count, Σℓ, how many have r > 1 + ε and
 r < 1 − ε, how many are blocked at ε = 0.2 and 0.5, and Σ of the trainer's and the engine's probability. The classes:
 every token, the stop token (the last token of a response shorter than the cap, ``--max-new-tokens``: the engine
@@ -35,7 +35,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_sweep import append_result, machine, read_results  # noqa: E402
-from lab_verdicts import REGIMES, argv_of  # noqa: E402
+from lab_verdicts_plan import REGIMES, argv_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_clip_block.jsonl"
 EPSILONS = (0.2, 0.5)

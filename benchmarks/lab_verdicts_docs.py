@@ -22,7 +22,7 @@ MARKERS = ("<!-- lab_verdicts:{} -->", "<!-- /lab_verdicts:{} -->")
 SAFE = "What mismatch needs a correction"
 NOT_IN_DOCS = ("Mechanisms",)
 WIDTH = 116
-NO_RUNS = "(no runs yet)"  # lab_verdicts.regime_table's body for a regime without runs; kept out of the docs
+NO_RUNS = "(no runs yet)"  # lab_verdicts_tables.regime_table's body for a regime without runs; kept out of the docs
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"  # where lab_verdicts draws them
 
 
@@ -73,7 +73,7 @@ def verdict_body(sections: list[tuple[str, str, str | None]], intro: str, figure
 
 def write_docs(path: Path, sections: list[tuple[str, str, str | None]], rows: list[dict], steps: int, left: str,
                other_first_rollouts: int, figures: Path = FIGURES) -> None:
-    """Rewrites the two marked parts of ``path`` from ``lab_verdicts.sections``; the figures (files under
+    """Rewrites the two marked parts of ``path`` from ``lab_verdicts_tables.sections``; the figures (files under
     ``figures``) are linked relative to ``path``."""
     text = path.read_text()
     text = replace_marked(text, "verdicts", verdict_body(sections, runs_line(rows, steps, left, other_first_rollouts),
