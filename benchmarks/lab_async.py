@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import yaml
+from evidence import mean_and_spread
 from lab_sweep import append_as_they_finish, read_results  # the same results file format and progress lines
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
@@ -98,14 +99,6 @@ def run_one(setting: str, flags: list[str], algorithm: str, seed: int, steps: in
     return row
 
 
-def _mean_std(values: list[float]) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
 def decomposition_table(rows: list[dict], settings) -> str:
     """Per setting (standard PPO's runs: the mismatch before any correction acts): raw k3 and its parts."""
     lines = ["| setting | mean lag | raw k3 | staleness k3 | numerics k3 | interaction | staleness share |",
@@ -130,7 +123,7 @@ def reward_table(rows: list[dict], settings, algorithms) -> str:
         for algorithm in algorithms:
             done = [r for r in rows if r["setting"] == setting and r["algorithm"] == algorithm and "final_reward" in r]
             failed = sum(1 for r in rows if r["setting"] == setting and r["algorithm"] == algorithm and "error" in r)
-            cell = _mean_std([r["final_reward"] for r in done])
+            cell = mean_and_spread([r["final_reward"] for r in done]) if done else "—"
             if done and statistics.mean(r["kept_token_fraction"] for r in done) < 0.995:
                 cell += f" (kept {100 * statistics.mean(r['kept_token_fraction'] for r in done):.0f} %)"
             cells.append(cell + (f", {failed} failed" if failed else ""))

@@ -40,6 +40,7 @@ from pathlib import Path
 
 RESULTS = Path("benchmarks/results")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evidence import mean_and_spread  # noqa: E402
 from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 from lab_vllm import SETTINGS as TINY_SETTINGS  # noqa: E402 (the settings of the tiny model's engine comparison)
 
@@ -373,10 +374,9 @@ def rl_table(rows: list[dict]) -> str:
             last = [statistics.mean(r["reward"][-10:]) for r in cell]
             k3_first = statistics.mean(statistics.mean(r["raw_k3"][:10]) for r in cell)
             k3_last = statistics.mean(statistics.mean(r["raw_k3"][-10:]) for r in cell)
-            spread = f" ± {statistics.stdev(last):.3f}" if len(last) > 1 else ""
             per_step = [r["seconds_per_step"] for r in cell if r["seconds_per_step"]]
             lines.append(f"| {setting} | {algorithm} | {len(cell)} | {statistics.mean(first):.3f} | "
-                         f"{statistics.mean(last):.3f}{spread} | "
+                         f"{mean_and_spread(last)} | "
                          f"{statistics.mean(last) - statistics.mean(first):+.3f} | "
                          f"{k3_first:.2e} → {k3_last:.2e} | {statistics.median(per_step):.1f} |")
     return "\n".join(lines)

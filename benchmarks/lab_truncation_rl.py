@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import last_mean, paired_difference  # noqa: E402
+from evidence import last_mean, mean_and_spread, paired_difference  # noqa: E402
 from lab_sweep import (UNRECORDED, append_result, by_machine, left_here, machine,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
 
@@ -106,8 +106,7 @@ def table(rows: list[dict]) -> str:
                          f"{diff:+.3f} ± {half:.3f} (n={n})" if n > 1 else f"{diff:+.3f} (n={n})")
                 kept = ("—" if all(v is None for r in cell for v in r["kept_set_size_mean"])
                         else f"{mean('kept_set_size_mean'):.1f}")
-                lines.append(f"| {top_p} | {algorithm} | {mode} | {len(cell)} | {statistics.mean(reward):.3f}"
-                             f"{f' ± {statistics.stdev(reward):.3f}' if len(reward) > 1 else ''} | {delta} | "
+                lines.append(f"| {top_p} | {algorithm} | {mode} | {len(cell)} | {mean_and_spread(reward)} | {delta} | "
                              f"{mean('raw_ratio_mean'):.4f} | {mean('mis_log_ratio_negative_fraction'):.3f} | "
                              f"{mean('mis_log_ratio_standardized_mean'):+.2f} | "
                              f"{mean('mis_unreplayed_truncation'):.2f} | {kept} |")

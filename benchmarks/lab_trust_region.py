@@ -40,6 +40,7 @@ import torch
 
 RESULTS = Path("benchmarks/results")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evidence import mean_and_spread  # noqa: E402
 from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
 SETTINGS = {"bf16": ["--rollout-dtype", "bf16"],
             "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]}
@@ -242,9 +243,8 @@ def rl_table(rows: list[dict]) -> str:
             continue
         first = [statistics.mean(r["reward"][:window]) for r in cell]
         last = [statistics.mean(r["reward"][-window:]) for r in cell]
-        spread = f" ± {statistics.stdev(last):.3f}" if len(last) > 1 else ""
         rejected = [v for r in cell for v in r.get("rejected", []) if v is not None]
-        lines.append(f"| {name} | {len(cell)} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f}{spread} | "
+        lines.append(f"| {name} | {len(cell)} | {statistics.mean(first):.3f} | {mean_and_spread(last)} | "
                      f"{statistics.mean(last) - statistics.mean(first):+.3f} | "
                      + (f"{statistics.mean(rejected):.2%} |" if rejected else "- |"))
     return "\n".join(lines)
