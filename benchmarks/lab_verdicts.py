@@ -49,8 +49,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_safe_mismatch import CURVE_FILE  # noqa: E402
 from lab_sweep import append_result, by_machine, first_rollout, one_machine_per_seed, read_results, train_child  # noqa: E402
-from lab_verdicts_plan import (ALGORITHMS, CELL, REGIME_STEPS, REGIMES, SCORE_CENTERING, SEED, SERIES,  # noqa: E402
-                               argv_of, budget_line, cell_of, machine, mixed_first_rollouts, run_dir, slug, todo)
+from lab_verdicts_plan import (ALGORITHMS, CELL, REGIME_FILES, REGIME_STEPS, REGIMES, SCORE_CENTERING, SEED,  # noqa: E402
+                               SERIES, argv_of, budget_line, cell_of, files_of, machine, mixed_first_rollouts,
+                               planned_regimes, run_dir, slug, todo)
 from lab_verdicts_tables import FIGURES, printed_tables, sections  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
@@ -88,17 +89,22 @@ def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path, on
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("run", "budget", "tables"))
-    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES),
-                        help="regimes to run, in order (default: all, in the order above)")
+    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=None,
+                        help="regimes to run, in order (default: those planned at --steps: "
+                        + "; ".join(f"{name} at {length}" for name, length in REGIME_STEPS.items())
+                        + "; every other, in the order above, at any other number)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: each regime's own: "
                         + ", ".join(f"{name} {spec[2]}" for name, spec in REGIMES.items()) + ")")
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=None,
                         help="run only these algorithms of each regime, with standard and bypass that they pair with "
                         "(default: all of each regime's)")
     parser.add_argument("--steps", type=int, default=40, help="RL steps per run (default: 40)")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/lab_verdicts"), help="the runs' files "
-                        "(default: runs/lab_verdicts)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the results file (default: {RESULTS})")
+    parser.add_argument("--out-dir", type=Path, default=None, help="the runs' files (default: runs/lab_verdicts, "
+                        "or the regimes' own folder: " + ", ".join(f"runs/{name}" for name in REGIME_FILES.values())
+                        + ")")
+    parser.add_argument("--results", type=Path, default=None, help=f"the results file (default: {RESULTS}, or the "
+                        "regimes' own file beside it: " + ", ".join(f"{name}.jsonl" for name in REGIME_FILES.values())
+                        + ")")
     parser.add_argument("--no-figures", action="store_true", help="with --docs: no figures drawn (no matplotlib)")
     parser.add_argument("--docs", type=Path, default=None, help="with tables: write them into this markdown file "
                         "between its lab_verdicts markers (lab_verdicts_docs; docs/lab/verdicts.md has them) "
@@ -106,6 +112,9 @@ def main() -> None:
                         "safe_mismatch.json); with --no-figures it links the figures drawn last (default: print the "
                         "tables and write nothing; `run` prints them too)")
     args = parser.parse_args()
+    args.regimes = args.regimes or planned_regimes(args.steps)
+    args.results = args.results or RESULTS.with_name(f"{files_of(args.regimes)}.jsonl")
+    args.out_dir = args.out_dir or Path("runs") / files_of(args.regimes)
     if args.part == "budget":
         left = todo(args.regimes, args.seeds, args.steps, args.results, only=args.algorithms)
         print(f"{len(left)} runs to do; {budget_line(args.regimes, left, args.steps, read_results(args.results))}")

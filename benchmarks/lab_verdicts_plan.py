@@ -79,6 +79,9 @@ REGIMES = {  # name -> (engine flags, algorithms, seeds, assumed s/step before a
 }
 # regimes that run at their own number of steps only (the others at whatever --steps says, 40 by default)
 REGIME_STEPS = {"one-step-off, 2-digit addition": 200}
+# their results file (under benchmarks/results/) and runs' folder (under runs/), apart from the 40-step sweep's
+REGIME_FILES = {"one-step-off, 2-digit addition": "lab_one_step_off"}
+SWEEP_FILES = "lab_verdicts"
 RUN_OVERHEAD_S = 60.0  # engine start and model load of one run
 SERIES = ("reward", "raw_k3", "grad_norm", "response_length", "seconds", "mean_lag", "stale_k3", "numerics_k3",
           "pg_clipfrac", "ppo_ratio_outside_clip", "first_minibatch_ppo_ratio_outside_clip", "mis_ess",
@@ -173,3 +176,17 @@ def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: lis
 def cell_of(rows: list[dict], regime: str, algorithm: str) -> dict[int, dict]:
     """The runs of one (regime, algorithm) cell, by seed."""
     return {r["seed"]: r for r in rows if r["regime"] == regime and r["algorithm"] == algorithm}
+
+
+def planned_regimes(steps: int) -> list[str]:
+    """The regimes planned at ``steps``: those of that length of their own (REGIME_STEPS) if there are any, else every
+    regime without one (they run at any number of steps)."""
+    own = [regime for regime, length in REGIME_STEPS.items() if length == steps]
+    return own or [regime for regime in REGIMES if regime not in REGIME_STEPS]
+
+
+def files_of(regimes) -> str:
+    """The name of the results file and runs' folder of ``regimes``: a regime of its own length keeps its own
+    (REGIME_FILES) when every regime named shares it; the sweep's otherwise."""
+    names = {REGIME_FILES.get(regime, SWEEP_FILES) for regime in regimes}
+    return names.pop() if len(names) == 1 else SWEEP_FILES

@@ -10,6 +10,7 @@ import yaml
 from conftest import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
+ONE_STEP_OFF = "one-step-off, 2-digit addition"
 
 
 @pytest.fixture(scope="module")
@@ -463,6 +464,26 @@ def test_budget_takes_the_quietest_runs_pace(plan):
     assert plan.budget_line(["fp32", "fp16"], [], 40, rows) == "every planned run is in"
 
 
+def test_the_steps_pick_the_regimes_and_their_files(verdicts, plan, tmp_path, monkeypatch, capsys):
+    """--steps 200 alone plans the regime of that length, in its own results file and runs' folder; any other number
+    plans every regime without a length of its own, in the sweep's; --regimes and --results still choose."""
+    assert plan.planned_regimes(200) == [ONE_STEP_OFF]
+    assert plan.planned_regimes(40) == plan.planned_regimes(300) == [r for r in plan.REGIMES if r != ONE_STEP_OFF]
+    assert plan.files_of([ONE_STEP_OFF]) == "lab_one_step_off"
+    assert plan.files_of(["bf16"]) == plan.files_of(["bf16", ONE_STEP_OFF]) == "lab_verdicts"
+    monkeypatch.setattr(verdicts, "RESULTS", tmp_path / "lab_verdicts.jsonl")
+    (tmp_path / "lab_one_step_off.jsonl").write_text("")
+    monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "budget", "--steps", "200"])
+    verdicts.main()
+    # 4 algorithms x 3 seeds, none run: 12 x (200 x 6 s + 60 s) = 4.2 h
+    assert capsys.readouterr().out == ("12 runs to do; about 4.2 CPU hours left (one-step-off, 2-digit addition: 12 at "
+                                       "6.0 s/step)\n")
+    monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "budget", "--steps", "40", "--regimes", "fp32"])
+    verdicts.main()
+    # 2 seeds x 3 algorithms, none in the sweep's (empty) file: 6 x (40 x 5 s + 60 s) = 0.43 h
+    assert capsys.readouterr().out == "6 runs to do; about 0.4 CPU hours left (fp32: 6 at 5.0 s/step)\n"
+
+
 def test_printing_the_tables_writes_no_file(verdicts, plan, tables, tmp_path, monkeypatch, capsys):
     """`run` and `tables` print the tables of whatever rows --results names (the long-horizon runs among them): the
     analyzer's curve and the verdict figures are written only with --docs, so printing another study's rows cannot
@@ -515,8 +536,6 @@ def test_centering_lines_by_hand(plan, tables):
         "response length 10.0 → 10.0 (largest step 10.0), truncated share 0.00 → 0.00 (largest step 0.00)"]
     assert tables.centering_lines([r for r in rows if r["algorithm"] == "standard"]) == []
 
-
-ONE_STEP_OFF = "one-step-off, 2-digit addition"
 
 
 def _long_rows(plan):
