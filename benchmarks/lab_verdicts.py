@@ -51,7 +51,7 @@ from lab_safe_mismatch import CURVE_FILE  # noqa: E402
 from lab_sweep import append_result, by_machine, first_rollout, one_machine_per_seed, read_results, train_child  # noqa: E402
 from lab_verdicts_plan import (ALGORITHMS, CELL, REGIME_FILES, REGIME_STEPS, REGIMES, SCORE_CENTERING, SEED,  # noqa: E402
                                SERIES, argv_of, budget_line, cell_of, files_of, machine, mixed_first_rollouts,
-                               planned_regimes, run_dir, slug, todo)
+                               planned_regimes, run_dir, saved_steps, slug, todo)
 from lab_verdicts_tables import FIGURES, printed_tables, sections  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
@@ -63,7 +63,8 @@ def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path, on
     from the seed's group (another VM's kernels) turns the seed into a whole set to run here."""
     here = machine()
     cells_left = todo(regimes, seeds, steps, results, here, only)
-    print(f"verdicts: {len(cells_left)} runs to do; {budget_line(regimes, cells_left, steps, read_results(results))}",
+    print(f"verdicts: {len(cells_left)} runs to do; "
+          f"{budget_line(regimes, cells_left, steps, read_results(results), saved_steps(out_dir, cells_left))}",
           file=sys.stderr, flush=True)
     count = 0
     while cells_left:
@@ -117,7 +118,8 @@ def main() -> None:
     args.out_dir = args.out_dir or Path("runs") / files_of(args.regimes)
     if args.part == "budget":
         left = todo(args.regimes, args.seeds, args.steps, args.results, only=args.algorithms)
-        print(f"{len(left)} runs to do; {budget_line(args.regimes, left, args.steps, read_results(args.results))}")
+        hours = budget_line(args.regimes, left, args.steps, read_results(args.results), saved_steps(args.out_dir, left))
+        print(f"{len(left)} runs to do; {hours}")
         return
     if args.part == "run":
         run(args.regimes, args.seeds, args.steps, args.out_dir, args.results, args.algorithms)

@@ -11,8 +11,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_sweep import by_machine, first_rollout, left_here, machine, machine_of, read_results  # noqa: E402
 
+SAVE_INTERVAL = 10  # steps between a run's checkpoints: an interrupted run resumes from the last one
 SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5",
-         "--save-interval", "10", "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
+         "--save-interval", str(SAVE_INTERVAL), "--custom-tis-function-path", "miles_mis.compute_mis_weights_with_cp"]
 BASELINE = "standard"
 
 TOKEN_TIS = {"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}
@@ -161,16 +162,35 @@ def seconds_per_step(rows: list[dict], regime: str) -> float:
     return REGIMES[regime][3] if math.isnan(pace) else pace
 
 
-def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: list[dict]) -> str:
-    """The CPU hours the runs ``left`` (``todo``) take, at the step times measured in ``rows``."""
+def saved_steps(out_dir: Path, left: list[tuple[str, int, str]]) -> dict[tuple[str, int, str], int]:
+    """Per run ``left`` with a checkpoint in its folder under ``out_dir``, the step it resumes from: the steps its
+    metrics.jsonl holds, down to a multiple of SAVE_INTERVAL (a resumed run rewrites the steps after its checkpoint)."""
+    saved = {}
+    for regime, seed, algorithm in left:
+        folder = run_dir(out_dir, regime, algorithm, seed)
+        if (folder / "checkpoint.pt").exists() and (folder / "metrics.jsonl").exists():
+            with (folder / "metrics.jsonl").open(encoding="utf-8") as metrics:
+                lines = sum(1 for line in metrics if line.strip())
+            if lines >= SAVE_INTERVAL:
+                saved[(regime, seed, algorithm)] = lines // SAVE_INTERVAL * SAVE_INTERVAL
+    return saved
+
+
+def budget_line(regimes, left: list[tuple[str, int, str]], steps: int, rows: list[dict],
+                saved: dict[tuple[str, int, str], int] | None = None) -> str:
+    """The CPU hours the runs ``left`` (``todo``) take, at the step times measured in ``rows``; a run in ``saved``
+    (``saved_steps``) takes only the steps after its checkpoint."""
     if not left:
         return "every planned run is in"
-    hours = sum(steps * seconds_per_step(rows, regime) + RUN_OVERHEAD_S for regime, _, _ in left) / 3600
+    saved = saved or {}
+    hours = sum((steps - min(saved.get(cell, 0), steps)) * seconds_per_step(rows, cell[0]) + RUN_OVERHEAD_S
+                for cell in left) / 3600
     by_regime = {regime: sum(1 for r, _, _ in left if r == regime) for regime in regimes}
     parts = ", ".join(f"{regime}: {n} at {seconds_per_step(rows, regime):.1f} s/step" for regime, n in by_regime.items()
                       if n)
-    return f"about {hours:.1f} CPU hours left ({parts})"
-
+    resumed = [f"{algorithm} seed {seed} at step {saved[(regime, seed, algorithm)]}"
+               for regime, seed, algorithm in left if (regime, seed, algorithm) in saved]
+    return f"about {hours:.1f} CPU hours left ({parts}{'; checkpointed: ' + ', '.join(resumed) if resumed else ''})"
 
 
 def cell_of(rows: list[dict], regime: str, algorithm: str) -> dict[int, dict]:

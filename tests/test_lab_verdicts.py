@@ -464,6 +464,24 @@ def test_budget_takes_the_quietest_runs_pace(plan):
     assert plan.budget_line(["fp32", "fp16"], [], 40, rows) == "every planned run is in"
 
 
+def test_budget_counts_a_checkpointed_run_from_its_checkpoint(plan, tmp_path):
+    """A run with a checkpoint in its folder resumes there: its metrics.jsonl's steps, down to a multiple of the save
+    interval (10), are not counted again; a folder without a checkpoint, or with fewer steps than one interval, is."""
+    left = [("fp32", 0, "standard"), ("fp32", 0, "bypass"), ("fp32", 1, "standard")]
+    for (regime, seed, algorithm), lines, checkpoint in zip(left, (27, 35, 9), (True, False, True)):
+        folder = plan.run_dir(tmp_path, regime, algorithm, seed)
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("{}\n" * lines)
+        if checkpoint:
+            (folder / "checkpoint.pt").write_bytes(b"")
+    saved = plan.saved_steps(tmp_path, left)
+    assert saved == {("fp32", 0, "standard"): 20}
+    rows = [{"regime": "fp32", "seconds": [100.0, 10.0, 10.0]}]
+    # (40 − 20)·10 + 60 + 2·(40·10 + 60) = 1180 s = 0.33 h
+    assert plan.budget_line(["fp32"], left, 40, rows, saved) == (
+        "about 0.3 CPU hours left (fp32: 3 at 10.0 s/step; checkpointed: standard seed 0 at step 20)")
+
+
 def test_the_steps_pick_the_regimes_and_their_files(verdicts, plan, tmp_path, monkeypatch, capsys):
     """--steps 200 alone plans the regime of that length, in its own results file and runs' folder; any other number
     plans every regime without a length of its own, in the sweep's; --regimes and --results still choose."""
@@ -473,6 +491,7 @@ def test_the_steps_pick_the_regimes_and_their_files(verdicts, plan, tmp_path, mo
     assert plan.files_of(["bf16"]) == plan.files_of(["bf16", ONE_STEP_OFF]) == "lab_verdicts"
     monkeypatch.setattr(verdicts, "RESULTS", tmp_path / "lab_verdicts.jsonl")
     (tmp_path / "lab_one_step_off.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)  # the runs' folders (runs/...) are read for checkpoints: none here
     monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "budget", "--steps", "200"])
     verdicts.main()
     # 4 algorithms x 3 seeds, none run: 12 x (200 x 6 s + 60 s) = 4.2 h
