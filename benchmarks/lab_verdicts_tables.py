@@ -229,11 +229,14 @@ def sections(rows: list[dict], figures: Path | None,
              curve_file: Path | None = None) -> list[tuple[str, str, str | None]]:
     """The tables as (title, markdown, figure file under ``figures`` or None): each regime, the mechanisms, and what
     mismatch needs a correction (with ``curve_file``, its points are also written there: CURVE_FILE is the levels the
-    analyzer reads)."""
+    analyzer reads). Rows of regimes of their own length alone (REGIME_STEPS) give those regimes' sections alone: the
+    other regimes, the mechanisms and the curve belong to the 40-step sweep."""
     out = []
+    present = {r["regime"] for r in rows}
+    own_length_only = bool(present) and present <= set(REGIME_STEPS)
     for regime in REGIMES:
-        if regime in REGIME_STEPS and not any(r["regime"] == regime for r in rows):
-            continue  # a regime of its own length, not in these rows
+        if regime not in present and (regime in REGIME_STEPS or own_length_only):
+            continue  # a regime of its own length not in these rows, or a 40-step regime beside such rows
         table, sentences = regime_table(rows, regime)
         name = f"lab_verdicts_{slug(regime)}.png"
         # without figures, the one drawn last time (if any) is still named
@@ -243,6 +246,8 @@ def sections(rows: list[dict], figures: Path | None,
             out.append((f"{regime}: mean reward by {WINDOW}-step window", window_table(rows, regime), None))
             out.append((f"{regime}: signals, first 10 steps → last 10", "\n".join(long_regime_lines(rows, regime)),
                         None))
+    if own_length_only:
+        return out
     mechanisms = mechanism_lines(rows)
     out.append(("Mechanisms", "\n".join(mechanisms or ["(no mechanism pair has 2 paired seeds yet)"]), None))
     centering = centering_lines(rows)

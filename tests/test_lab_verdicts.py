@@ -592,6 +592,18 @@ def test_a_long_regime_lists_every_algorithms_signals_and_stays_out_of_the_cente
         "response length 20.0 → 20.0 (largest step 20.0), truncated share 0.50 → 0.00 (largest step 0.50)"]
 
 
+def test_a_long_regimes_rows_print_its_sections_alone(plan, tables):
+    """Printing the one-step-off rows gives that regime's table, windows and signals, not the 40-step regimes as
+    "(no runs yet)" nor the sweep's mechanisms and curve; the 40-step rows never show a long regime without runs."""
+    printed = tables.printed_tables(_long_rows(plan))
+    assert [line for line in printed.splitlines() if line.startswith("### ")] == [
+        f"### {ONE_STEP_OFF}", f"### {ONE_STEP_OFF}: mean reward by 50-step window",
+        f"### {ONE_STEP_OFF}: signals, first 10 steps → last 10"]
+    titles = [title for title, _, _ in tables.sections(_regime_rows(plan, "bf16", 1.3e-3, {"standard": [0.7, 0.75]}),
+                                                       None)]
+    assert ONE_STEP_OFF not in titles and "bf16 + fp8 weights" in titles and "Mechanisms" in titles
+
+
 def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve(verdicts, plan, tables, tmp_path,
                                                                                   monkeypatch):
     """`tables --steps 200 --results <its file> --docs PAGE` writes between the regime's markers only: the 40-step
