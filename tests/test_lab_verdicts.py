@@ -1,6 +1,7 @@
 """benchmarks/lab_verdicts.py: every run of the sweep parses as the lab would run it (a bad key would stop the sweep
 hours in), the run order leaves whole paired sets, and the tables compute the paired verdicts by hand."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -18,32 +19,19 @@ def verdicts():
     return load_benchmark("lab_verdicts")
 
 
-@pytest.fixture(scope="module")
-def plan(verdicts):
-    import lab_verdicts_plan  # the modules lab_verdicts imported (load_benchmark put benchmarks/ on the path)
-
-    return lab_verdicts_plan
-
-
-@pytest.fixture(scope="module")
-def tables(verdicts):
-    import lab_verdicts_tables
-
-    return lab_verdicts_tables
+def _part(name: str, module: str):
+    """A module-scoped fixture ``name``: ``module`` as lab_verdicts imported it (load_benchmark put benchmarks/ on the
+    path), the same object, so a monkeypatch on it reaches the CLI."""
+    @pytest.fixture(scope="module", name=name)
+    def part(verdicts):
+        return importlib.import_module(module)
+    return part
 
 
-@pytest.fixture(scope="module")
-def safe(verdicts):
-    import lab_safe_mismatch
-
-    return lab_safe_mismatch
-
-
-@pytest.fixture(scope="module")
-def sweep(verdicts):
-    import lab_sweep
-
-    return lab_sweep
+plan = _part("plan", "lab_verdicts_plan")
+tables = _part("tables", "lab_verdicts_tables")
+safe = _part("safe", "lab_safe_mismatch")
+sweep = _part("sweep", "lab_sweep")
 
 
 @pytest.fixture(autouse=True)
