@@ -36,7 +36,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evidence import last_mean, paired_difference, verdict  # noqa: E402
+from evidence import last_mean, mean_and_spread, paired_difference, verdict  # noqa: E402
 from lab_async import ALGORITHMS, BASE, PLUGIN, SCHEDULES  # noqa: E402
 from lab_sweep import append_result, read_results  # noqa: E402
 
@@ -121,8 +121,7 @@ def table(rows: list[dict]) -> str:
         shown = "—" if algorithm == "lag_gate" else diff.interval()
         shown += " | " + ("—" if algorithm == "fixed_drop" else to_drop.interval())
         kept = [statistics.mean(1 - r["rejected"][b] for r in cell.values()) for b in ("2", "3plus")]
-        spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
-        lines.append(f"| {algorithm} | {len(cell)} | {statistics.mean(scores):.3f} ± {spread:.3f} | {shown} | "
+        lines.append(f"| {algorithm} | {len(cell)} | {mean_and_spread(scores)} | {shown} | "
                      f"{statistics.mean(r['removed_token_fraction'] for r in cell.values()):.3f} | "
                      f"{kept[0]:.2f}, {kept[1]:.2f} |")
         if algorithm != "lag_gate" and diff.n >= 2:

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from evidence import mean_and_spread  # the benchmarks folder is on sys.path: scripts run from it
+
 MECHANISMS = {
     "bf16 (dense)": ["--rollout-dtype", "bf16"],
     "MoE 8x2, bf16 router": ["--rollout-dtype", "bf16", "--moe-experts", "8", "--moe-top-k", "2"],
@@ -222,13 +224,12 @@ def table(rows: list[dict], algorithms: list[str]) -> str:
             if not cell:
                 continue
             finals = [r["final_reward"] for r in done]
-            spread = statistics.stdev(finals) if len(finals) > 1 else float("nan")
             delta = statistics.mean(r["final_reward"] - r["first_reward"] for r in done) if done else math.nan
             routing = (f"{statistics.mean(r['routing_mismatch'] for r in done):.3f}"
                        if done and "routing_mismatch" in done[0] else "—")
             lines.append(
                 f"| {mechanism} | {algorithm} | {len(cell)} | "
-                + (f"{statistics.mean(finals):.3f} ± {spread:.3f} | {delta:+.3f} | "
+                + (f"{mean_and_spread(finals)} | {delta:+.3f} | "
                    f"{statistics.mean(r['exact_match'] for r in done):.3f} | " if done else "— | — | — | ")
                 + f"{sum(r['collapsed'] for r in cell)}/{len(cell)} | "
                 + (f"{statistics.mean(r['raw_k3'] for r in done):.2e} | {min(r['min_raw_ess'] for r in done):.4f} | "

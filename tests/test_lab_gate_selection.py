@@ -53,3 +53,16 @@ def test_a_short_sweep_runs_every_cell_and_pairs_them(selection, tmp_path, monke
     assert "| random_gate | 2 |" in out and "| mixed lags 0..3, 4 steps |" in out
     selection.main()  # resumes: nothing left to run, the same table
     assert len(selection.read_results(results)) == 8
+
+
+def test_a_one_seed_cell_shows_its_mean_alone_and_two_seeds_their_spread(selection):
+    def row(algorithm, seed, reward):
+        return {"algorithm": algorithm, "seed": seed, "steps": 10, "reward": [reward] * 10,
+                "rejected": {"2": 0.5, "3plus": 1.0}, "removed_token_fraction": 0.25}
+    rows = [row("lag_gate", 0, 0.4), row("lag_gate", 1, 0.6), row("fixed_drop", 0, 0.3)]
+    lines = selection.table(rows).splitlines()
+    # two seeds: mean 0.5, sample sd of (0.4, 0.6) = 0.1414; one seed: no spread to give, not "± 0.000"
+    assert "| lag_gate | 2 | 0.500 ± 0.141 |" in lines[3]
+    # seed 0 alone pairs fixed_drop with lag_gate: 0.3 − 0.4; kept shares 1 − 0.5 and 1 − 1.0
+    assert lines[2] == "| fixed_drop | 1 | 0.300 | -0.100 (n=1) | — | 0.250 | 0.50, 0.00 |"
+    assert "±" not in lines[2]
