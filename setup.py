@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="miles-mis",
-    version="0.2.1",
+    version="0.2.2",
     description="Measure and correct the training-inference mismatch in LLM RL (TIS/MIS/IcePop/RS/veto) "
                 "as a miles/slime plugin",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),

@@ -56,6 +56,7 @@ from lab_verdicts_tables import FIGURES, printed_tables, sections  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"
 CENTERING_FILE = CURVE_FILE.with_name("lab_score_centering.json")  # lab_centering_evidence writes it with --docs
+STALENESS_FILE = CURVE_FILE.with_name("lab_staleness.json")  # lab_staleness_evidence's, with --docs
 
 
 def run(regimes, seeds: int | None, steps: int, out_dir: Path, results: Path, only=None) -> None:
@@ -134,6 +135,7 @@ def main() -> None:
         return
     from lab_centering_evidence import regime_entry
     from lab_centering_evidence import write as write_centering
+    from lab_staleness_evidence import schedule, stale_entry
     from lab_verdicts_docs import write_docs, write_regime_docs
 
     long = [regime for regime in REGIME_STEPS if any(r["regime"] == regime for r in all_rows)]
@@ -148,6 +150,10 @@ def main() -> None:
     centering = {regime: regime_entry({a: cell_of(paired, regime, a) for a in REGIMES[regime][1]}, args.steps)
                  for regime in (long or planned) if set(REGIMES[regime][1]) & set(SCORE_CENTERING)}
     write_centering({regime: entry for regime, entry in centering.items() if entry is not None}, CENTERING_FILE)
+    # the verdicts at a version lag, cited where a dump holds stale samples (a synchronous regime has no entry)
+    stale = {regime: stale_entry({a: cell_of(paired, regime, a) for a in REGIMES[regime][1]}, args.steps,
+                                 REGIMES[regime][0]) for regime in (long or planned) if schedule(REGIMES[regime][0])}
+    write_centering(stale, STALENESS_FILE)
     if long:  # a regime of its own length fills its own marked part: the 40-step tables and the analyzer's curve stay
         for regime in long:
             write_regime_docs(args.docs, slug(regime), sections([r for r in paired if r["regime"] == regime], figures),

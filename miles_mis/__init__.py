@@ -9,7 +9,7 @@ from .config import MisConfig
 from .plugin import (compute_mis_weights, compute_mis_weights_fsdp, compute_mis_weights_packed,
                      compute_mis_weights_with_cp)
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 
 __all__ = ["MisConfig", "compute_mis_weights", "compute_mis_weights_fsdp", "compute_mis_weights_packed",
            "compute_mis_weights_with_cp", "__version__"]

@@ -11,7 +11,7 @@ import torch
 
 from cli_answers import analyze_cli, one_line_error
 
-from miles_mis.analyze import published, sc_metrics
+from miles_mis.analyze import lab_staleness, published, sc_metrics
 from miles_mis.analyze.report import as_json as report_json
 from miles_mis.analyze.report import figures
 from miles_mis.analyze.report import files as report_files
@@ -387,7 +387,10 @@ def test_a_dump_with_stale_samples_cites_the_published_staleness_outcome():
     text = report_markdown.staleness_evidence(stats)
     (row,) = published.with_topic("staleness", published.load())
     assert row["id"] == "marin-8955-qwen3-0.6b-stale-ppo-vs-tis"
-    assert text == "Published runs with stale rollouts: " + published.cite(row)
+    # the published run first, then the lab's paired runs at a version lag (the published weigh more)
+    said = published.staleness_sentence(published.load())
+    assert said == "Published runs with stale rollouts: " + published.cite(row)
+    assert text == said + " " + lab_staleness.sentence() and lab_staleness.sentence().startswith("The lab's paired")
     assert "plain PPO completed 2 of 128 answers" in text and "(marin-community/marin issue #8955, 2026-09-08)" in text
     assert text in report_markdown.render_markdown(stats, None, None, title="t", figures=[])
     assert report_json.to_json(stats, None, None)["staleness_evidence"] == text

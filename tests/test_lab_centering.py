@@ -29,7 +29,9 @@ def test_a_regime_entry_by_hand(evidence):
     entry = evidence.regime_entry(cells, steps=20)
     assert entry["steps"] == 20 and entry["baseline_raw_k3"] == pytest.approx(0.04)
     assert entry["baseline_last10"] == pytest.approx(0.4)
+    assert entry["baseline_seeds"] == [0, 1, 2] and entry["baseline_collapsed"] == 0  # 0.3 → 0.4 learned
     (cell,) = entry["cells"]
+    assert cell["collapsed"] == 0
     assert cell["algorithm"] == "sc_mis" and cell["seeds"] == [0, 1, 2] and cell["higher_on"] == 3
     assert cell["delta"] == pytest.approx(0.2)
     assert (cell["low"], cell["high"]) == (pytest.approx(0.2 - 0.24841, abs=1e-4), pytest.approx(0.2 + 0.24841,

@@ -609,6 +609,9 @@ def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve
     centering.write_bytes(verdicts.CENTERING_FILE.read_bytes())
     monkeypatch.setattr(tables, "write_curve", lambda *a, **k: written_to.append(a))
     monkeypatch.setattr(verdicts, "CENTERING_FILE", centering)
+    staleness = tmp_path / "lab_staleness.json"
+    staleness.write_bytes(verdicts.STALENESS_FILE.read_bytes())
+    monkeypatch.setattr(verdicts, "STALENESS_FILE", staleness)
     monkeypatch.setattr(sys, "argv", ["lab_verdicts.py", "tables", "--steps", "200", "--results", str(results),
                                       "--docs", str(page), "--no-figures"])
     verdicts.main()
@@ -627,3 +630,13 @@ def test_a_long_regimes_docs_fill_its_own_part_and_leave_the_sweep_and_the_curve
         "bf16 + fp8 weights"]
     (cell,) = regimes[ONE_STEP_OFF]["cells"]
     assert cell["algorithm"] == "sc_mis" and cell["seeds"] == [0, 1] and cell["delta"] == pytest.approx(0.2)
+    # and the staleness evidence this regime's entry (every algorithm against standard, its schedule from the flags),
+    # the 40-step async regimes' entries kept
+    stale = json.loads(staleness.read_text())["regimes"]
+    assert stale["async lags 0..2"] == json.loads(verdicts.STALENESS_FILE.read_text())["regimes"]["async lags 0..2"]
+    entry = stale[ONE_STEP_OFF]
+    assert (entry["schedule"], entry["max_lag"], entry["steps"], entry["baseline_collapsed"]) == (
+        "every sample 1 version old", 1, 200, 0)
+    (cell,) = entry["cells"]  # seeds 0 and 1: last 10 steps 0.5 against 0.3, 0.6 against 0.4
+    assert (cell["algorithm"], cell["seeds"], cell["collapsed"]) == ("sc_mis", [0, 1], 0)
+    assert (cell["delta"], cell["low"], cell["high"]) == pytest.approx((0.2, 0.2, 0.2))

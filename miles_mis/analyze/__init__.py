@@ -7,7 +7,8 @@ other stacks' formats and ``open_dump``, which tells them apart), ``statistics``
 recommendation, ``--write-config``), ``report`` (a package: report.md, report.json, the PNG figures, report.html and
 the comparison of two dumps), ``sc_metrics`` (score centering's per-step series from a
 metrics file, ``--metrics``), ``published`` (the published outcomes the advice cites), ``lab_centering`` (the lab's
-score-centering verdicts it cites after them), ``command`` (the pipeline
+score-centering verdicts it cites after them), ``lab_staleness`` (the lab's verdicts at a version lag, cited after the
+published runs with stale rollouts), ``command`` (the pipeline
 and the command line), and ``admission`` with ``admit_command`` (per-step mismatch, drift and verdict).
 docs/analyze.md explains every section of the report.
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import figures as _figures
+from .. import lab_staleness as _lab_staleness
 from .. import published as _published
 from .. import safe_level as _safe_level
 from .. import sc_metrics as _sc
@@ -137,12 +138,16 @@ def _lag_section(statistics: Mapping[str, Any]) -> list[str]:
 
 
 def staleness_evidence(statistics: Mapping[str, Any]) -> str | None:
-    """The published runs with stale rollouts (``published.staleness_sentence``), when the dump holds stale samples
-    (a lag bucket above 0); None otherwise."""
+    """The published runs with stale rollouts (``published.staleness_sentence``), then the lab's paired runs at a
+    version lag (``lab_staleness.sentence``), when the dump holds stale samples (a lag bucket above 0); None
+    otherwise (or with neither file)."""
     attribution = statistics.get("lag_attribution") or {}
     stale = attribution.get("stale_buckets") or [row for row in statistics.get("by_lag") or []
                                                  if str(row.get("bucket")) != "0"]
-    return _published.staleness_sentence(_published.load()) if stale else None
+    if not stale:
+        return None
+    said = [_published.staleness_sentence(_published.load()), _lab_staleness.sentence()]
+    return " ".join(text for text in said if text) or None
 
 
 def _calls_section(statistics: Mapping[str, Any], figures: Sequence[Path] | None) -> list[str]:
