@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import REPO, load_benchmark
+from conftest import committed_lab_cells, load_benchmark
 from miles_mis.analyze import lab_centering, sc_metrics
 
 
@@ -54,18 +54,11 @@ def test_writing_replaces_one_regime_and_keeps_the_others(evidence, tmp_path):
 def test_the_shipped_file_is_what_the_committed_rows_give(evidence):
     """Nothing in lab_score_centering.json is typed by hand: the fp8 entry is regime_entry over the paired rows of
     benchmarks/results/lab_verdicts.jsonl (and the one-step-off entry over its own file, once it has one)."""
-    plan = load_benchmark("lab_verdicts_plan")
-    from lab_sweep import first_rollout, one_machine_per_seed, read_results
-
     shipped = lab_centering.load()
     assert shipped is not None and "bf16 + fp8 weights" in shipped["regimes"]
     for regime, entry in shipped["regimes"].items():
         steps = entry["steps"]
-        results = REPO / "benchmarks" / "results" / ("lab_one_step_off.jsonl" if regime in plan.REGIME_STEPS
-                                                     else "lab_verdicts.jsonl")
-        rows = [r for r in read_results(results) if r["steps"] == steps]
-        paired = one_machine_per_seed(rows, plan.SEED, plan.CELL, first_rollout)
-        cells = {a: plan.cell_of(paired, regime, a) for a in plan.REGIMES[regime][1]}
+        cells = committed_lab_cells(regime, steps)
         assert json.loads(json.dumps(evidence.regime_entry(cells, steps))) == entry, regime
 
 

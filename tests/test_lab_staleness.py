@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import REPO, load_benchmark
+from conftest import committed_lab_cells, load_benchmark
 from miles_mis.analyze import lab_staleness, published
 from miles_mis.analyze.report import markdown as report_markdown
 
@@ -76,18 +76,12 @@ def test_the_shipped_file_is_what_the_committed_rows_give(evidence):
     """Nothing in lab_staleness.json is typed by hand: each entry is stale_entry over the paired rows of its results
     file (the one-step-off regime's own, the 40-step async regimes' lab_verdicts.jsonl)."""
     plan = load_benchmark("lab_verdicts_plan")
-    from lab_sweep import first_rollout, one_machine_per_seed, read_results
-
     shipped = lab_staleness.load()
     assert shipped is not None and set(shipped["regimes"]) == {
         regime for regime, (flags, *_) in plan.REGIMES.items() if evidence.schedule(flags)}
     for regime, entry in shipped["regimes"].items():
         steps = entry["steps"]
-        results = REPO / "benchmarks" / "results" / ("lab_one_step_off.jsonl" if regime in plan.REGIME_STEPS
-                                                     else "lab_verdicts.jsonl")
-        rows = [r for r in read_results(results) if r["steps"] == steps]
-        paired = one_machine_per_seed(rows, plan.SEED, plan.CELL, first_rollout)
-        cells = {a: plan.cell_of(paired, regime, a) for a in plan.REGIMES[regime][1]}
+        cells = committed_lab_cells(regime, steps)
         want = evidence.stale_entry(cells, steps, plan.REGIMES[regime][0])
         assert json.loads(json.dumps(want)) == entry, regime
 
