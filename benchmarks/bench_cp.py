@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_core import make_inputs  # noqa: E402 (benchmarks/ on sys.path above)
+from core_baselines import make_inputs  # noqa: E402 (benchmarks/ on sys.path above)
 from cp_harness import cp_state, shard, spawn  # noqa: E402 (tests/ on sys.path above)
 
 CONFIG = MisConfig(use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True)
