@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import append_result, machine, read_results  # noqa: E402 (the results files' format)
+from lab_runs import append_result, machine, read_results  # noqa: E402 (the results files' format)
 
 RESULTS = Path("benchmarks/results/lab_admission.jsonl")
 SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "16", "--group-size", "4", "--batches", "20", "--seed", "0"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 from evidence import mean_and_spread
-from lab_sweep import append_as_they_finish, read_results  # the same results file format and progress lines
+from lab_runs import append_as_they_finish, read_results  # the same results file format and progress lines
 
 PLUGIN = "miles_mis.compute_mis_weights_with_cp"
 BASE = ["--rollout-dtype", "bf16", "--lr", "3e-3"]

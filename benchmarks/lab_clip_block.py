@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import append_result, machine, read_results  # noqa: E402
+from lab_runs import append_result, machine, read_results  # noqa: E402
 from lab_verdicts_plan import REGIMES, argv_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_clip_block.jsonl"

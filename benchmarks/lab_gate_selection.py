@@ -38,7 +38,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence import last_mean, mean_and_spread, paired_difference, verdict  # noqa: E402
 from lab_async import ALGORITHMS, BASE, PLUGIN, SCHEDULES  # noqa: E402
-from lab_sweep import append_result, read_results  # noqa: E402
+from lab_runs import append_result, read_results  # noqa: E402
 
 from miles_mis.correction import staleness  # noqa: E402
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence import MIN_VERDICT_SEEDS, formatted, paired_difference, recorded_mean  # noqa: E402
-from lab_sweep import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
+from lab_runs import first_rollout, machine_of, one_machine_per_seed, read_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_long_horizon.jsonl"
 VERDICTS = Path(__file__).resolve().parent / "results" / "lab_verdicts.jsonl"  # the 40-step runs they continue
@@ -131,7 +131,7 @@ def paired(runs_by_algorithm: dict[str, dict[int, dict]]) -> list[dict]:
 
 def pairing_rows(rows: list[dict], steps: int = STEPS) -> list[dict]:
     """The rows the tables read: runs of ``steps`` steps with every step's reward, per seed the cells of one first
-    rollout (the group holding most of the seed: lab_sweep.one_machine_per_seed)."""
+    rollout (the group holding most of the seed: lab_runs.one_machine_per_seed)."""
     rows = [r for r in rows if r["steps"] == steps and len(r["reward"]) == steps]
     return one_machine_per_seed(rows, ("regime", "seed"), ("algorithm",), first_rollout)
 

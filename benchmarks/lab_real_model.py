@@ -41,7 +41,7 @@ from pathlib import Path
 RESULTS = Path("benchmarks/results")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence import mean_and_spread  # noqa: E402
-from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
+from lab_runs import append_result, read_results  # noqa: E402 (the results files' format)
 from lab_vllm import SETTINGS as TINY_SETTINGS  # noqa: E402 (the settings of the tiny model's engine comparison)
 
 SETTINGS = {  # those of benchmarks/lab_vllm.py, then the ones a 49,152-token vocabulary makes interesting

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence import last_mean, mean_and_spread, paired_difference  # noqa: E402
-from lab_sweep import (UNRECORDED, append_result, by_machine, left_here, machine,  # noqa: E402
+from lab_runs import (UNRECORDED, append_result, by_machine, left_here, machine,  # noqa: E402
                        one_machine_per_seed, read_results, train_child)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lab_truncation_rl.jsonl"

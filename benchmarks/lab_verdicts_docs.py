@@ -16,7 +16,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from lab_sweep import machine_of
+from lab_runs import machine_of
 
 MARKERS = ("<!-- lab_verdicts:{} -->", "<!-- /lab_verdicts:{} -->")
 SAFE = "What mismatch needs a correction"
@@ -40,7 +40,7 @@ def runs_line(rows: list[dict], steps: int, left: str, other_first_rollouts: int
     """The paragraph before the tables: how many runs on which machines, how they pair, what is left (``left``: the
     budget's words, "N runs, about H CPU hours left (...)")."""
     boots = sorted({machine_of(row) for row in rows})
-    kinds = sorted({machine.rsplit(", boot ", 1)[0] for machine in boots})  # lab_sweep.machine's "<CPU>, boot <id>"
+    kinds = sorted({machine.rsplit(", boot ", 1)[0] for machine in boots})  # lab_runs.machine's "<CPU>, boot <id>"
     pairing = ("every boot so far reproduced the first rollouts of the others" if other_first_rollouts == 0 else
                f"{other_first_rollouts} seed(s) had another first rollout on some boot, and the tables take each seed "
                "from the group that holds most of it")

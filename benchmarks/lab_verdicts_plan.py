@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab_sweep import by_machine, first_rollout, left_here, machine, machine_of, read_results  # noqa: E402
+from lab_runs import by_machine, first_rollout, left_here, machine, machine_of, read_results  # noqa: E402
 
 SAVE_INTERVAL = 10  # steps between a run's checkpoints: an interrupted run resumes from the last one
 SHAPE = ["--model", "smollm2-135m", "--prompts-per-step", "8", "--group-size", "4", "--lr", "5e-5",
@@ -123,14 +123,14 @@ def argv_of(regime: str, algorithm: str, seed: int, steps: int, config_path: Pat
             "--steps", str(steps)]
 
 
-# a seed's algorithms pair within one first rollout (lab_sweep.left_here)
+# a seed's algorithms pair within one first rollout (lab_runs.left_here)
 SEED, CELL = ("regime", "seed"), ("algorithm",)
 
 
 def todo(regimes, seeds: int | None, steps: int, results: Path, here: str | None = None,
          only=None) -> list[tuple[str, int, str]]:
     """The runs left for this machine: every seed no first rollout holds whole, but for the cells its group holds
-    (lab_sweep.left_here: the group this machine's rows of the seed joined, else the largest)."""
+    (lab_runs.left_here: the group this machine's rows of the seed joined, else the largest)."""
     rows = [r for r in read_results(results) if r["steps"] == steps]
     wanted = [{"regime": regime, "seed": seed, "algorithm": algorithm}
               for regime, seed, algorithm in cells(regimes, seeds, only, steps)]

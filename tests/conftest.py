@@ -129,7 +129,7 @@ def committed_lab_cells(regime: str, steps: int) -> dict:
     seed as `lab_verdicts.py tables --docs` pairs them: a regime of its own length from its own file
     (benchmarks/results/lab_one_step_off.jsonl), the 40-step regimes from lab_verdicts.jsonl."""
     plan = load_benchmark("lab_verdicts_plan")
-    from lab_sweep import first_rollout, one_machine_per_seed, read_results
+    from lab_runs import first_rollout, one_machine_per_seed, read_results
 
     name = "lab_one_step_off.jsonl" if regime in plan.REGIME_STEPS else "lab_verdicts.jsonl"
     rows = [r for r in read_results(REPO / "benchmarks" / "results" / name) if r["steps"] == steps]

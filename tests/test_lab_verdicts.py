@@ -31,7 +31,7 @@ def _part(name: str, module: str):
 plan = _part("plan", "lab_verdicts_plan")
 tables = _part("tables", "lab_verdicts_tables")
 safe = _part("safe", "lab_safe_mismatch")
-sweep = _part("sweep", "lab_sweep")
+runs = _part("runs", "lab_runs")
 
 
 @pytest.fixture(autouse=True)
@@ -302,9 +302,9 @@ def test_a_correction_that_lost_higher_up_is_not_advised_there(plan, safe, tmp_p
                            "reward.")
 
 
-def test_a_seed_split_across_machines_runs_again_whole(plan, sweep, tmp_path):
+def test_a_seed_split_across_machines_runs_again_whole(plan, runs, tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from lab_sweep import append_result, one_machine_per_seed
+    from lab_runs import append_result, one_machine_per_seed
 
     results = tmp_path / "rows.jsonl"
     algorithms = plan.REGIMES["fp32"][1]  # standard, bypass, decoupled_tis
@@ -316,7 +316,7 @@ def test_a_seed_split_across_machines_runs_again_whole(plan, sweep, tmp_path):
     assert plan.todo(["fp32"], 2, 40, results, here="B") == [("fp32", 1, "standard"), ("fp32", 1, "decoupled_tis")]
     # on a third machine: seed 1 whole
     assert plan.todo(["fp32"], 2, 40, results, here="C") == [("fp32", 1, a) for a in algorithms]
-    rows = sweep.read_results(results)
+    rows = runs.read_results(results)
     chosen = one_machine_per_seed(rows, plan.SEED, plan.CELL)
     assert sorted((r["seed"], r["machine"]) for r in chosen) == [(0, "A"), (0, "A"), (0, "A"), (1, "A")]
 
@@ -324,7 +324,7 @@ def test_a_seed_split_across_machines_runs_again_whole(plan, sweep, tmp_path):
 def test_a_new_algorithm_runs_on_seeds_whose_group_holds_others(plan, tmp_path):
     """Asking for one algorithm a seed's group lacks runs it, though the group holds as many rows as asked for."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from lab_sweep import append_result
+    from lab_runs import append_result
 
     results = tmp_path / "rows.jsonl"
     first = {"reward": [0.25], "raw_k3": [4e-2]}
@@ -340,9 +340,9 @@ def test_a_new_algorithm_runs_on_seeds_whose_group_holds_others(plan, tmp_path):
         ("bf16 + fp8 weights", 0, "standard"), ("bf16 + fp8 weights", 0, "bypass")]
 
 
-def test_a_seed_continues_where_its_first_rollout_is_reproduced(plan, sweep, tmp_path):
+def test_a_seed_continues_where_its_first_rollout_is_reproduced(plan, runs, tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from lab_sweep import append_result, one_machine_per_seed
+    from lab_runs import append_result, one_machine_per_seed
 
     results = tmp_path / "rows.jsonl"
     same, other = {"reward": [0.25, 0.5], "raw_k3": [1.25e-3, 1e-3]}, {"reward": [0.25, 0.5], "raw_k3": [1.5e-3, 1e-3]}
@@ -358,13 +358,13 @@ def test_a_seed_continues_where_its_first_rollout_is_reproduced(plan, sweep, tmp
     append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "decoupled_tis", "steps": 40, "machine": "C",
                             **same})
     assert plan.todo(["fp32"], 1, 40, results, here="D") == []  # A and C hold seed 0 whole
-    rows = sweep.read_results(results)
-    chosen = one_machine_per_seed(rows, plan.SEED, plan.CELL, sweep.first_rollout)
+    rows = runs.read_results(results)
+    chosen = one_machine_per_seed(rows, plan.SEED, plan.CELL, runs.first_rollout)
     assert sorted((r["algorithm"], r["machine"]) for r in chosen) == [("bypass", "C"), ("decoupled_tis", "C"),
                                                                        ("standard", "A")]
     assert plan.mixed_first_rollouts(rows) == []
     append_result(results, {"regime": "fp32", "seed": 0, "algorithm": "standard", "steps": 40, "machine": "C", **other})
-    assert plan.mixed_first_rollouts(sweep.read_results(results)) == ["fp32 seed 0 on C: 2 first rollouts"]
+    assert plan.mixed_first_rollouts(runs.read_results(results)) == ["fp32 seed 0 on C: 2 first rollouts"]
 
 
 def test_mechanism_lines_by_hand(plan, tables):
