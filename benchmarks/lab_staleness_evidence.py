@@ -1,21 +1,19 @@
 """The lab's verdicts at a version lag as the analyzer cites them: ``miles_mis/analyze/lab_staleness.json``.
 
-``lab_verdicts.py tables --docs`` calls ``entries`` with the regimes it wrote; a regime is stale when its engine flags
-set a lag schedule (``--async-max-lag``, ``--rollout-lag``, ``--rollout-staleness``). Per regime: its schedule in
-words and its largest lag (read from those flags), standard PPO's raw k3 and collapsed runs, and per other algorithm
-the paired difference of the last-10-step reward against standard PPO with its 95 % t interval and its collapsed runs
-(``lab_centering_evidence.regime_entry``). The analyzer (``miles_mis.analyze.lab_staleness``) cites it beside the
-published runs with stale rollouts when a dump holds stale samples; nothing in the file is typed by hand.
+``lab_verdicts.py tables --docs`` calls ``stale_entry`` for each regime it wrote whose engine flags set a lag
+schedule (``schedule``: ``--async-max-lag``, ``--rollout-lag``, ``--rollout-staleness``) and writes the entries with
+``lab_centering_evidence.write``. Per regime: its schedule in words and its largest lag (read from those flags),
+standard PPO's raw k3 and collapsed runs, and per other algorithm the paired difference of the last-10-step reward
+against standard PPO with its 95 % t interval and its collapsed runs (``lab_centering_evidence.regime_entry``). The
+analyzer (``miles_mis.analyze.lab_staleness``) cites it beside the published runs with stale rollouts when a dump
+holds stale samples; nothing in the file is typed by hand.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from lab_centering_evidence import LABELS as CENTERING_LABELS
-from lab_centering_evidence import regime_entry, write
+from lab_centering_evidence import regime_entry
 
-FILE = Path(__file__).resolve().parent.parent / "miles_mis" / "analyze" / "lab_staleness.json"
 LABELS = {"bypass": "bypass", "decoupled_tis": "decoupled PPO + token TIS (U 2)",
           "seq_mis": "sequence MIS [0.5, 2]", "ratio_mask": "token ratio mask", "prime_rl": "prime-rl's loss",
           "auto_bound": "TIS with the auto bound", "batch_gate": "batch k3 gate 0.05",
@@ -54,4 +52,4 @@ def stale_entry(cells: dict[str, dict[int, dict]], steps: int, flags: list[str],
     return None if entry is None else {"schedule": lag[0], "max_lag": lag[1], **entry}
 
 
-__all__ = ["FILE", "LABELS", "schedule", "stale_entry", "write"]
+__all__ = ["LABELS", "schedule", "stale_entry"]

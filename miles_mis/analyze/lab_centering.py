@@ -26,7 +26,13 @@ def _signed(value: float) -> str:
     return f"{value:+.3f}".replace("-", "−")
 
 
-def _seeds(cells: list[Mapping[str, Any]]) -> str:
+def interval_text(cell: Mapping[str, Any]) -> str:
+    """A cell's paired difference with its 95 % interval, signed, to 3 decimals: "−0.050 [−0.300, +0.200]"."""
+    return f"{_signed(cell['delta'])} [{_signed(cell['low'])}, {_signed(cell['high'])}]"
+
+
+def paired_seeds(cells: list[Mapping[str, Any]]) -> str:
+    """How many seeds the cells pair on: "3", or "2–3" where they differ."""
     counts = sorted({len(cell["seeds"]) for cell in cells})
     return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
 
@@ -36,8 +42,7 @@ def regime_sentence(regime: str, entry: Mapping[str, Any]) -> str:
     cells = entry["cells"]
     k3 = entry.get("baseline_raw_k3")
     setting = f"standard PPO's raw k3 {k3:.1e}, " if k3 is not None else ""
-    listed = ", ".join(f"{cell['label']} {_signed(cell['delta'])} [{_signed(cell['low'])}, {_signed(cell['high'])}]"
-                       for cell in cells)
+    listed = ", ".join(f"{cell['label']} {interval_text(cell)}" for cell in cells)
     resolved = [cell for cell in cells if cell["low"] > 0 or cell["high"] < 0]
     if resolved:
         verdicts = "; resolved: " + ", ".join(
@@ -47,7 +52,7 @@ def regime_sentence(regime: str, entry: Mapping[str, Any]) -> str:
         verdicts = "; no interval excludes 0 (not resolved, for or against)"
     tails = [cell["tail_ratio_max"] for cell in cells if cell.get("tail_ratio_max") is not None]
     tail = f"; the tail ratio's largest step {max(tails):.3g}" if tails else ""
-    return (f"{regime} ({setting}{entry['steps']} steps, {_seeds(cells)} paired seeds), the last-10-step reward "
+    return (f"{regime} ({setting}{entry['steps']} steps, {paired_seeds(cells)} paired seeds), the last-10-step reward "
             f"against standard PPO: {listed}{verdicts}{tail}")
 
 
@@ -63,4 +68,4 @@ def sentence(evidence: Mapping[str, Any] | None = None) -> str | None:
             ": a 135M model with short answers; the published outcomes weigh more): " + parts + ".")
 
 
-__all__ = ["FILE", "load", "regime_sentence", "sentence"]
+__all__ = ["FILE", "interval_text", "load", "paired_seeds", "regime_sentence", "sentence"]

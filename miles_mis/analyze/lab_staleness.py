@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from .lab_centering import interval_text, paired_seeds
+
 FILE = Path(__file__).with_name("lab_staleness.json")
 
 
@@ -24,31 +26,25 @@ def load(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-def _interval(cell: Mapping[str, Any]) -> str:
-    return "{:+.3f} [{:+.3f}, {:+.3f}]".format(cell["delta"], cell["low"], cell["high"]).replace("-", "−")
-
-
 def regime_sentence(regime: str, entry: Mapping[str, Any]) -> str:
     """One regime in one sentence: its schedule, how many runs collapsed, which corrections' intervals exclude 0
     (and on how many seeds they were higher), then the others' intervals."""
     cells = entry["cells"]
-    seeds = sorted({len(cell["seeds"]) for cell in cells})
     runs = len(entry["baseline_seeds"]) + sum(len(cell["seeds"]) for cell in cells)
     collapsed = entry["baseline_collapsed"] + sum(cell["collapsed"] for cell in cells)
     k3 = entry.get("baseline_raw_k3")
     setting = f", standard PPO's raw k3 {k3:.1e}" if k3 is not None else ""
     resolved = [cell for cell in cells if cell["low"] > 0 or cell["high"] < 0]
-    paired = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
-    words = [f"“{regime}” ({entry['schedule']}; {entry['steps']} steps, {paired} paired seeds{setting}): "
+    words = [f"“{regime}” ({entry['schedule']}; {entry['steps']} steps, {paired_seeds(cells)} paired seeds{setting}): "
              f"{collapsed} of {runs} runs collapsed; against standard PPO's last-10-step reward"]
     if resolved:
         words.append(", resolved: " + ", ".join(
-            f"{cell['label']} {'above' if cell['low'] > 0 else 'below'} it {_interval(cell)} (higher on "
+            f"{cell['label']} {'above' if cell['low'] > 0 else 'below'} it {interval_text(cell)} (higher on "
             f"{cell['higher_on']} of {len(cell['seeds'])} seeds)" for cell in resolved))
     others = [cell for cell in cells if cell not in resolved]
     if others:
         words.append(f"{';' if resolved else ','} not resolved (the interval includes 0): "
-                     + ", ".join(f"{cell['label']} {_interval(cell)}" for cell in others))
+                     + ", ".join(f"{cell['label']} {interval_text(cell)}" for cell in others))
     return "".join(words) + "."
 
 
